@@ -1,0 +1,26 @@
+"""ckptturbo: checkpoint I/O for distributed PyTorch at the speed of the hardware."""
+from .api import delete, load, save
+from .errors import (
+    CheckpointNotFound,
+    CkptTurboError,
+    CommunicationError,
+    FormatError,
+    IntegrityError,
+    MismatchError,
+    PlanError,
+    SaveInProgress,
+    StorageAuthError,
+    StorageError,
+)
+from .reader import TurboReader
+from .staging import SaveHandle, SaveSummary
+from .writer import ReplicaMismatchError, TurboWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TurboWriter", "TurboReader", "save", "load", "delete", "SaveHandle", "SaveSummary",
+    "CkptTurboError", "CheckpointNotFound", "CommunicationError", "FormatError",
+    "IntegrityError", "MismatchError", "PlanError", "ReplicaMismatchError", "SaveInProgress",
+    "StorageAuthError", "StorageError",
+]

@@ -1,0 +1,61 @@
+"""Every failure ckptturbo lets a user see, in one place.
+
+One root class lets callers write ``except ckptturbo.CkptTurboError`` around any call,
+while the subclasses keep the cause machine-readable. Messages always name the object
+(URL or key), the tensor where there is one, and what went wrong.
+"""
+from __future__ import annotations
+
+
+class CkptTurboError(Exception):
+    """Root of every error raised by ckptturbo."""
+
+
+class StorageError(CkptTurboError):
+    """An object store or file system operation failed after retries."""
+
+
+class StorageAuthError(StorageError):
+    """Credentials are missing, wrong, or lack permission for the URL."""
+
+
+class CheckpointNotFound(CkptTurboError, FileNotFoundError):
+    """No committed checkpoint (no manifest) exists at the URL."""
+
+
+class IntegrityError(CkptTurboError):
+    """Bytes read back do not match the BLAKE3 id they were stored under."""
+
+
+class FormatError(CkptTurboError, ValueError):
+    """A manifest, chunk name or safetensors header is malformed or unsupported."""
+
+
+class MismatchError(CkptTurboError, ValueError):
+    """The state dict being loaded does not fit the checkpoint (keys, shapes, dtypes)."""
+
+
+class PlanError(CkptTurboError, ValueError):
+    """A write or read plan cannot be built from the inputs given."""
+
+
+class CommunicationError(CkptTurboError):
+    """A peer rank failed or timed out during a collective transfer."""
+
+
+class SaveInProgress(CkptTurboError):
+    """A new save was started while the writer's previous save is not yet durable."""
+
+
+__all__ = [
+    "CkptTurboError",
+    "StorageError",
+    "StorageAuthError",
+    "CheckpointNotFound",
+    "IntegrityError",
+    "FormatError",
+    "MismatchError",
+    "PlanError",
+    "CommunicationError",
+    "SaveInProgress",
+]

@@ -1,0 +1,293 @@
+"""What lies in storage, and the manifest that makes a checkpoint exist.
+
+    <run>/.ckptturbo/chunks/<2 hex>/<64 hex>   content-addressed chunks, shared by the run
+    <run>/<checkpoint>/manifest.json           JSON, written last: the commit
+
+The manifest carries everything DCP's ``Metadata`` carries (tensor shapes, dtypes, shard
+boxes, planner data), so the reader rebuilds Metadata from JSON and nothing from storage
+is ever unpickled. Every field is validated on the way in: a manifest may be hostile.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .chunks import StoredPiece, chunk_relpath, validate_chunk_id
+from .errors import CheckpointNotFound, FormatError
+from .store import Store
+
+FORMAT_NAME = "ckptturbo-manifest"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CONTROL_DIR = ".ckptturbo"
+CHUNKS_DIR = f"{CONTROL_DIR}/chunks"
+MAX_MANIFEST_BYTES = 1 << 30
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise FormatError(f"unknown dtype {name!r} in manifest")
+    return _DTYPES[name]
+
+
+@dataclass
+class ShardRecord:
+    """One stored box of a tensor (or the whole of a bytes object), and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+    pieces: list[StoredPiece]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "nbytes": self.nbytes,
+                "pieces": [p.to_json() for p in self.pieces]}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> "ShardRecord":
+        try:
+            offsets = tuple(_ints(raw["offsets"], where))
+            sizes = tuple(_ints(raw["sizes"], where))
+            nbytes = _ints([raw["nbytes"]], where)[0]
+            pieces = [StoredPiece.from_json(p) for p in raw["pieces"]]
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"malformed shard record for {where}: {exc}") from exc
+        record = cls(offsets, sizes, nbytes, pieces)
+        record.check(where)
+        return record
+
+    def check(self, where: str) -> None:
+        """Pieces must tile [0, nbytes) exactly, in order: no gaps, no overlaps."""
+        pos = 0
+        for p in self.pieces:
+            if p.start != pos:
+                raise FormatError(f"{where}: pieces do not tile the shard (gap or overlap at byte {pos})")
+            pos += p.length
+        if pos != self.nbytes:
+            raise FormatError(f"{where}: pieces cover {pos} of {self.nbytes} bytes")
+
+
+@dataclass
+class ItemRecord:
+    """One state-dict entry: a tensor (possibly in several shards) or a serialized object."""
+
+    kind: str
+    shards: list[ShardRecord]
+    dtype: torch.dtype | None = None
+    size: tuple[int, ...] | None = None
+    requires_grad: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "shards": [s.to_json() for s in self.shards]}
+        if self.kind == "tensor":
+            out.update(dtype=dtype_name(self.dtype), size=list(self.size),
+                       requires_grad=self.requires_grad)
+        return out
+
+    @classmethod
+    def from_json(cls, fqn: str, raw: Any) -> "ItemRecord":
+        if not isinstance(raw, dict) or raw.get("kind") not in ("tensor", "bytes"):
+            raise FormatError(f"malformed item record for {fqn!r}")
+        shards = [ShardRecord.from_json(s, fqn) for s in raw.get("shards", [])]
+        if raw["kind"] == "bytes":
+            if len(shards) != 1:
+                raise FormatError(f"object {fqn!r} must have exactly one shard")
+            return cls("bytes", shards)
+        size = tuple(_ints(raw.get("size"), fqn))
+        dtype = parse_dtype(raw.get("dtype"))
+        for s in shards:
+            if len(s.offsets) != len(size) or len(s.sizes) != len(size):
+                raise FormatError(f"{fqn!r}: shard rank does not match tensor rank {len(size)}")
+            if any(o + n > d for o, n, d in zip(s.offsets, s.sizes, size)):
+                raise FormatError(f"{fqn!r}: shard {s.offsets}+{s.sizes} exceeds size {size}")
+            expected = _numel(s.sizes) * dtype.itemsize
+            if s.nbytes != expected:
+                raise FormatError(f"{fqn!r}: shard holds {s.nbytes} bytes, shape needs {expected}")
+        return cls("tensor", shards, dtype, size, bool(raw.get("requires_grad", False)))
+
+
+@dataclass
+class Manifest:
+    items: dict[str, ItemRecord]
+    chunks: dict[str, int]
+    planner_data: Any = None
+    storage_meta: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    stats: dict[str, Any] = field(default_factory=dict)
+    chunk_store: str = ".."
+    dcp_version: str | None = None
+
+    # --- serialisation
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "created": self.created,
+            "chunk_store": self.chunk_store, "dcp_version": self.dcp_version,
+            "storage_meta": self.storage_meta, "stats": self.stats,
+            "planner_data": _planner_data_to_json(self.planner_data),
+            "chunks": self.chunks,
+            "items": {fqn: item.to_json() for fqn, item in self.items.items()},
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "Manifest":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise FormatError(f"{where} is not a ckptturbo manifest")
+        if doc.get("version") != FORMAT_VERSION:
+            raise FormatError(f"{where} has format version {doc.get('version')!r}; "
+                              f"this ckptturbo reads version {FORMAT_VERSION}")
+        chunks = doc.get("chunks")
+        if not isinstance(chunks, dict):
+            raise FormatError(f"{where}: 'chunks' must be an object")
+        for cid, size in chunks.items():
+            validate_chunk_id(cid)
+            _ints([size], where)
+        items_raw = doc.get("items")
+        if not isinstance(items_raw, dict):
+            raise FormatError(f"{where}: 'items' must be an object")
+        items = {fqn: ItemRecord.from_json(fqn, raw) for fqn, raw in items_raw.items()}
+        for fqn, item in items.items():
+            for shard in item.shards:
+                for p in shard.pieces:
+                    if p.chunk not in chunks or p.offset + p.length > chunks[p.chunk]:
+                        raise FormatError(f"{where}: {fqn!r} names bytes outside chunk {p.chunk}")
+        store = doc.get("chunk_store", "..")
+        if not isinstance(store, str):
+            raise FormatError(f"{where}: 'chunk_store' must be a string")
+        return cls(items=items, chunks={k: int(v) for k, v in chunks.items()},
+                   planner_data=_planner_data_from_json(doc.get("planner_data")),
+                   storage_meta=doc.get("storage_meta") or {}, created=float(doc.get("created", 0)),
+                   stats=doc.get("stats") or {}, chunk_store=store, dcp_version=doc.get("dcp_version"))
+
+    # --- DCP view
+    def to_metadata(self) -> Metadata:
+        sd_meta: dict[str, Any] = {}
+        storage_data: dict[MetadataIndex, ShardRecord] = {}
+        for fqn, item in self.items.items():
+            if item.kind == "bytes":
+                sd_meta[fqn] = BytesStorageMetadata()
+                storage_data[MetadataIndex(fqn)] = item.shards[0]
+                continue
+            props = TensorProperties(dtype=item.dtype, requires_grad=item.requires_grad)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+                      for s in item.shards]
+            sd_meta[fqn] = TensorStorageMetadata(props, torch.Size(item.size), chunks)
+            for s in item.shards:
+                storage_data[MetadataIndex(fqn, s.offsets)] = s
+        meta = StorageMeta(checkpoint_id=self.storage_meta.get("checkpoint_id"),
+                           save_id=self.storage_meta.get("save_id"))
+        return Metadata(state_dict_metadata=sd_meta, planner_data=self.planner_data,
+                        storage_data=storage_data, storage_meta=meta, version=self.dcp_version)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for item in self.items.values() for s in item.shards)
+
+    @property
+    def unique_bytes(self) -> int:
+        return sum(self.chunks.values())
+
+
+class Location:
+    """Where one checkpoint's manifest and its run's chunk store are."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 store_url: str | None = None) -> None:
+        self.url = str(url)
+        self.storage_options = storage_options
+        self.store = Store(self.url, storage_options)
+        self.path = self.store.root
+        parent = posixpath.dirname(self.path)
+        if not parent or parent == self.path:
+            raise FormatError(f"checkpoint URL {self.url!r} needs a parent directory or bucket "
+                              "prefix to hold the chunk store, e.g. s3://bucket/run/step-100")
+        self.manifest_path = self.store.join(self.path, MANIFEST_NAME)
+        if store_url is None:
+            self.chunk_store = self.store
+            self.chunk_store_ref = ".."
+            self.chunks_root = self.store.join(parent, CHUNKS_DIR)
+        else:
+            self.chunk_store = Store(store_url, storage_options)
+            self.chunk_store_ref = str(store_url)
+            self.chunks_root = self.chunk_store.join(self.chunk_store.root, CHUNKS_DIR)
+
+    @classmethod
+    def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
+                     manifest: Manifest) -> "Location":
+        """The location a committed manifest points at (its chunk store may be elsewhere)."""
+        store_url = None if manifest.chunk_store == ".." else manifest.chunk_store
+        return cls(url, storage_options, store_url)
+
+    def chunk_path(self, cid: str) -> str:
+        return self.chunk_store.join(self.chunks_root, chunk_relpath(cid))
+
+    def read_manifest(self) -> Manifest:
+        try:
+            info = self.store.info(self.manifest_path)
+        except CheckpointNotFound as exc:
+            raise CheckpointNotFound(
+                f"no committed checkpoint at {self.url!r}: {MANIFEST_NAME} is missing "
+                "(the save never finished, or the URL is wrong)") from exc
+        if info.size > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{self.url}/{MANIFEST_NAME} is {info.size} bytes; refusing to read")
+        return Manifest.from_bytes(self.store.get(self.manifest_path), f"{self.url}/{MANIFEST_NAME}")
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self.store.put(self.manifest_path, manifest.to_bytes())
+
+
+def _ints(values: Any, where: str) -> list[int]:
+    if not isinstance(values, (list, tuple)):
+        raise FormatError(f"{where}: expected a list of integers, got {type(values).__name__}")
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise FormatError(f"{where}: expected non-negative integers, got {v!r}")
+    return list(values)
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _planner_data_to_json(data: Any) -> Any:
+    """DCP's default planner keeps {flat key: path tuple}; JSON keeps it as lists."""
+    if data is None:
+        return None
+    try:
+        json.dumps(data)
+    except TypeError as exc:
+        raise FormatError(f"planner_data of this SavePlanner is not JSON-serialisable: {exc}") from exc
+    return data
+
+
+def _planner_data_from_json(data: Any) -> Any:
+    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+        return {k: tuple(v) for k, v in data.items()}
+    return data

@@ -1,0 +1,202 @@
+"""Host staging: a reusable buffer pool, device-to-host copies, and two-phase save handles.
+
+The training loop should stall only for the copy of its state into host memory. The pool
+is one arena allocated on first use and reused by every later save (pinned when CUDA is
+present, so device-to-host copies run at full PCIe speed on a side stream); fresh
+allocations per save would pay page faults or cudaHostAlloc each time. The arena is
+handed out as a ring: uploads finish roughly in the order chunks were staged, so freed
+space comes back at the tail, and a pool smaller than the state simply stages in waves.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_FRACTION_OF_RAM = 0.25
+MAX_DEFAULT_POOL_BYTES = 8 << 30
+
+
+def default_pool_bytes(share: int, chunk_size: int) -> int:
+    """The rank's share of the save, capped at a quarter of free RAM split over local ranks.
+
+    Documented in docs/async.md: a pool this large stages everything in one wave; a
+    smaller one (set ``pool_bytes=``) stages in waves while uploads free space.
+    """
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free = 8 << 30
+    ram_cap = int(free * DEFAULT_POOL_FRACTION_OF_RAM / max(1, local_ranks))
+    return max(chunk_size, min(share, ram_cap, MAX_DEFAULT_POOL_BYTES))
+
+
+@dataclass
+class HostBuffer:
+    """A slice of the pool's arena; ``tensor`` is a uint8 view of it."""
+
+    tensor: torch.Tensor
+    offset: int
+    nbytes: int
+
+
+class HostBufferPool:
+    """A ring-allocated arena of host memory with a byte budget and blocking acquire."""
+
+    def __init__(self, capacity: int, *, pin: bool | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError("pool capacity must be positive")
+        self.capacity = int(capacity)
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._arena: torch.Tensor | None = None
+        self._cond = threading.Condition()
+        self._live: collections.deque[list[Any]] = collections.deque()  # [start, end, freed]
+        self._head = 0
+        self.peak_in_use = 0
+        self._in_use = 0
+
+    @property
+    def arena(self) -> torch.Tensor:
+        if self._arena is None:
+            self._arena = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
+        return self._arena
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+        """Reserve nbytes contiguous bytes, waiting for releases while the ring is full."""
+        if nbytes == 0:
+            return HostBuffer(self.arena[:0], 0, 0)
+        if nbytes > self.capacity:
+            raise ValueError(f"request of {nbytes} bytes exceeds the staging pool ({self.capacity})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        arena = self.arena
+        with self._cond:
+            while True:
+                start = self._fit(nbytes)
+                if start is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"staging pool stayed full for {timeout}s")
+                self._cond.wait(remaining)
+            self._live.append([start, start + nbytes, False])
+            self._head = start + nbytes
+            self._in_use += nbytes
+            self.peak_in_use = max(self.peak_in_use, self._in_use)
+        return HostBuffer(arena[start:start + nbytes], start, nbytes)
+
+    def _fit(self, nbytes: int) -> int | None:
+        if not self._live:
+            self._head = 0
+            return 0
+        oldest = self._live[0][0]
+        if self._head > oldest:  # not wrapped: free space is [head, capacity) and [0, oldest)
+            if self._head + nbytes <= self.capacity:
+                return self._head
+            return 0 if nbytes <= oldest else None
+        # wrapped: free space is [head, oldest)
+        return self._head if self._head + nbytes <= oldest else None
+
+    def release(self, buf: HostBuffer) -> None:
+        if buf.nbytes == 0:
+            return
+        with self._cond:
+            for entry in self._live:
+                if entry[0] == buf.offset and entry[1] == buf.offset + buf.nbytes and not entry[2]:
+                    entry[2] = True
+                    break
+            else:
+                raise ValueError("releasing a buffer that is not live in this pool")
+            self._in_use -= buf.nbytes
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+            self._cond.notify_all()
+
+
+class DeviceCopier:
+    """Copies tensor bytes into host buffers: async on a side CUDA stream, plain on CPU."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Start dst.copy_(src); returns an event to wait on (None when already done)."""
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return None
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's logical bytes (row-major), copying only if strided."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class SaveSummary:
+    """What a save did, for logs and for ``ckptturbo inspect``-style reporting."""
+
+    url: str
+    bytes_total: int = 0
+    bytes_staged: int = 0
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    chunks_written: int = 0
+    chunks_reused: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """Two futures of one save: ``staged`` (state copied; training may go on) and ``durable``.
+
+    ``durable`` carries the SaveSummary once the manifest is committed, or the exception
+    that made the save fail, in which case the checkpoint stays invisible.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.staged: Future[None] = Future()
+        self.durable: Future[SaveSummary] = Future()
+        self.staged.set_running_or_notify_cancel()
+        self.durable.set_running_or_notify_cancel()
+
+    def wait(self, timeout: float | None = None) -> SaveSummary:
+        return self.durable.result(timeout)
+
+    result = wait
+
+    def done(self) -> bool:
+        return self.durable.done()
+
+    def __repr__(self) -> str:
+        state = "durable" if self.durable.done() else "staged" if self.staged.done() else "staging"
+        return f"SaveHandle({self.url!r}, {state})"

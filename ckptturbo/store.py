@@ -1,0 +1,318 @@
+"""All object I/O, through fsspec, for every protocol.
+
+One ``Store`` wraps one fsspec filesystem. Everything above it (writer, reader,
+streamer, CLI) speaks in full paths of that filesystem and never imports a storage SDK,
+so ``file://``, ``s3://``, ``gs://`` and ``memory://`` share one code path. What differs
+per protocol is kept here: local files get fsync + atomic rename, object stores get
+single PUTs (atomic by nature, multipart above ``multipart_threshold``) and no fsync.
+
+Transient failures (5xx, throttling, connection resets, timeouts) are retried with
+exponential backoff and full jitter; permanent ones are mapped to ckptturbo's errors at
+once, so a wrong URL or bad credentials fail fast instead of after minutes of retries.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointNotFound, StorageAuthError, StorageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 2}}
+_TRANSIENT_MARKERS = (
+    "slowdown", "slow down", "throttl", "503", "500", "502", "504", "internalerror",
+    "serviceunavailable", "requesttimeout", "timed out", "timeout", "connection reset",
+    "connection aborted", "broken pipe", "server disconnected", "temporarily",
+)
+_AUTH_MARKERS = ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
+                 "signaturedoesnotmatch", "nocredentials", "unable to locate credentials",
+                 "expiredtoken", "invalidtoken")
+
+
+def default_io_workers() -> int:
+    """Concurrent requests per process: object stores want many streams, disks fewer."""
+    return max(8, min(32, 4 * (os.cpu_count() or 2)))
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    path: str
+    size: int
+    mtime: float | None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    name = type(exc).__name__.lower()
+    if "timeout" in name or "connectionclosed" in name or "disconnected" in name:
+        return True
+    text = f"{name} {exc}".lower()
+    return any(m in text for m in _TRANSIENT_MARKERS)
+
+
+def _is_auth(exc: BaseException) -> bool:
+    if isinstance(exc, PermissionError):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(m in text for m in _AUTH_MARKERS)
+
+
+class Store:
+    """A storage location reached through fsspec, with retries and bounded parallelism."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_workers: int | None = None,
+        retries: int = 5,
+        backoff: float = 0.2,
+        multipart_threshold: int = 128 << 20,
+        part_size: int = 32 << 20,
+    ) -> None:
+        self.url = str(url)
+        self.storage_options = dict(storage_options or {})
+        self.retries = retries
+        self.backoff = backoff
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.max_workers = max_workers or default_io_workers()
+        options = dict(self.storage_options)
+        protocol = fsspec.utils.get_protocol(self.url)
+        if protocol in ("s3", "s3a"):
+            config = dict(DEFAULT_S3_CONFIG)
+            config.update(options.get("config_kwargs") or {})
+            options["config_kwargs"] = config
+            options.setdefault("max_concurrency", 8)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
+        except (ImportError, ValueError) as exc:
+            raise StorageError(f"cannot open storage for {self.url!r}: {exc}") from exc
+        self.protocol = protocol
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.root = self.root.rstrip("/") or "/"
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and pools stay behind
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options,
+                "max_workers": self.max_workers, "retries": self.retries, "backoff": self.backoff,
+                "multipart_threshold": self.multipart_threshold, "part_size": self.part_size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"], max_workers=state["max_workers"],
+                      retries=state["retries"], backoff=state["backoff"],
+                      multipart_threshold=state["multipart_threshold"],
+                      part_size=state["part_size"])
+
+    # --- paths
+    def join(self, base: str, *parts: str) -> str:
+        """``base`` (a full path of this store) extended by relative, '..'-free names."""
+        cleaned = []
+        for part in parts:
+            for piece in str(part).split("/"):
+                if piece in ("", "."):
+                    continue
+                if piece == "..":
+                    raise StorageError(f"refusing path with '..' under {self.url!r}: {parts}")
+                cleaned.append(piece)
+        base = base.rstrip("/")
+        return "/".join([base, *cleaned]) if cleaned else (base or "/")
+
+    def url_of(self, path: str) -> str:
+        """A URL a user can paste, for error messages and listings."""
+        if self.is_local:
+            return path
+        return f"{self.protocol}://{path}"
+
+    # --- execution helpers
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="ckptturbo-io")
+            return self._pool
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+        """Run fn over items on the I/O pool; the first failure is raised after all finish."""
+        futures = [self.submit(fn, item) for item in items]
+        results, first_error = [], None
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError as exc:
+                raise CheckpointNotFound(f"{what}: {self.url_of(path)} does not exist ({exc})") from exc
+            except (StorageError, CheckpointNotFound):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified and re-raised as ours
+                if _is_auth(exc):
+                    raise StorageAuthError(
+                        f"{what}: access to {self.url_of(path)} was refused ({exc}); "
+                        "check the credentials in storage_options or the environment") from exc
+                if not _is_transient(exc) or attempt == self.retries:
+                    raise StorageError(f"{what} {self.url_of(path)} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                sleep = random.uniform(0, delay)
+                log.warning("%s %s: transient %s (%s); retry %d/%d in %.2fs", what, path,
+                            type(exc).__name__, exc, attempt + 1, self.retries, sleep)
+                time.sleep(sleep)
+                delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    # --- writes
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write an object whole: readers see the old object or the new one, never a part."""
+        if self.is_local:
+            self._call("write", path, lambda: self._put_local(path, data))
+            return
+
+        def put_remote() -> None:
+            if len(data) >= self.multipart_threshold and self.protocol in ("s3", "s3a"):
+                self.fs.pipe_file(path, data, chunksize=self.part_size)
+            else:
+                self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+
+        self._call("write", path, put_remote)
+
+    def _put_local(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # --- reads
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of an object (all of it by default)."""
+        if self.is_local:
+            return self._call("read", path, lambda: self._get_local(path, start, end))
+        return self._call("read", path, lambda: self.fs.cat_file(path, start=start, end=end))
+
+    def _get_local(self, path: str, start: int | None, end: int | None) -> bytes:
+        with open(path, "rb") as f:
+            if start:
+                f.seek(start)
+            return f.read() if end is None else f.read(end - (start or 0))
+
+    def get_into(self, path: str, out: memoryview, start: int = 0) -> None:
+        """Fill ``out`` with the object's bytes from ``start``, avoiding a copy on local disk."""
+        def read_local() -> None:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                got = 0
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        raise StorageError(f"short read of {path}: {got} of {len(out)} bytes")
+                    got += n
+
+        if self.is_local:
+            self._call("read", path, read_local)
+            return
+        data = self.get(path, start, start + len(out))
+        if len(data) != len(out):
+            raise StorageError(f"short read of {self.url_of(path)}: {len(data)} of {len(out)} bytes")
+        out[:] = data
+
+    def get_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Several ranges of one object, fetched in parallel on the I/O pool."""
+        return self.map(lambda r: self.get(path, r[0], r[1]), ranges)
+
+    # --- metadata
+    def exists(self, path: str) -> bool:
+        return self._call("stat", path, lambda: self.fs.exists(path))
+
+    def info(self, path: str) -> ObjectInfo:
+        raw = self._call("stat", path, lambda: self.fs.info(path))
+        return ObjectInfo(path, int(raw.get("size") or 0), _mtime(raw))
+
+    def list_files(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under prefix (recursive); an absent prefix lists as empty."""
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(prefix, detail=True))
+        except CheckpointNotFound:
+            return []
+        return [ObjectInfo(p, int(d.get("size") or 0), _mtime(d))
+                for p, d in sorted(found.items()) if d.get("type", "file") == "file"]
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Immediate children of prefix that are directories (or common prefixes)."""
+        try:
+            entries = self._call("list", prefix, lambda: self.fs.ls(prefix, detail=True, refresh=True))
+        except CheckpointNotFound:
+            return []
+        return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
+
+    def delete(self, paths: Iterable[str]) -> None:
+        paths = list(paths)
+        if paths:
+            self.map(lambda p: self._call("delete", p, lambda: self.fs.rm_file(p)), paths)
+
+    def check_reachable(self) -> None:
+        """Fail fast with a clear error when the location (bucket, directory) is unusable."""
+        if self.is_local:
+            return
+        bucket = self.root.split("/", 1)[0]
+        self._call("open bucket", bucket, lambda: self.fs.ls(bucket, refresh=True))
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
