@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import catalog
-from .errors import MismatchError, SaveInProgress
+from .errors import CkptTurboError, MismatchError, SaveInProgress
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
 from .writer import TurboWriter
@@ -96,6 +96,7 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
             staged()
             handle.durable.set_result(summary)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
+            exc = _unwrap(exc)
             if not handle.staged.done():
                 handle.staged.set_exception(exc)
             handle.durable.set_exception(exc)
@@ -118,7 +119,24 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     manifest = reader.read_manifest()
     check_fits(state_dict, manifest.items, str(url), strict)
     planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
-    dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
+    try:
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        inner = _unwrap(exc)
+        if inner is exc:
+            raise
+        raise inner from exc
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """DCP wraps every rank's failure in a CheckpointException; surface ours directly."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, CkptTurboError):
+                return inner
+    return exc
 
 
 def delete(url: str, *, storage_options: dict[str, Any] | None = None) -> None:

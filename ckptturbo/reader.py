@@ -236,8 +236,8 @@ class TurboReader(StorageReader):
                             for s in item.shards for p in s.pieces if p.chunk == cid})
             raise IntegrityError(
                 f"chunk {self.location.chunk_path(cid)} is corrupt: expected BLAKE3 {cid}, got "
-                f"{actual}; it holds bytes of {', '.join(map(repr, users[:5]))}"
-                f"{' ...' if len(users) > 5 else ''} in checkpoint {self.url}")
+                f"{actual}; it holds bytes of {', '.join(map(repr, users[:20]))}"
+                f"{' ...' if len(users) > 20 else ''} in checkpoint {self.url}")
 
     def _fetch_chunks(self, cids: list[str]) -> Iterator[tuple[str, memoryview]]:
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
