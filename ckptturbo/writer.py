@@ -334,7 +334,7 @@ class TurboWriter(StorageWriter, AsyncStager):
     def _ensure_pool(self, share: int) -> HostBufferPool:
         if self._pool is None:
             capacity = self.pool_bytes or default_pool_bytes(share, self.chunk_size)
-            self._pool = HostBufferPool(max(capacity, self.chunk_size, 16 << 20))
+            self._pool = HostBufferPool(max(capacity, self.chunk_size))
         return self._pool
 
     def _stage_and_upload(self, entries: list[_Entry], location: Location) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""Run a function in N real processes joined by a torch.distributed process group.
+
+Tests use real processes rather than mocks because the failure modes that matter
+(ordering of point-to-point operations, dead peers, timeouts) only exist between real
+processes. Everything here is bounded in time: a child that hangs is killed by PID, so a
+broken test fails instead of wedging CI.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_GRACE_S = 5.0  # how long stragglers get after the first failure before they are killed
+
+
+@dataclass
+class RankFailure:
+    """What went wrong on one rank, returned in place of its result when failures are expected."""
+
+    rank: int
+    exitcode: int | None  # None: the process was still alive when it reported the error
+    error: BaseException | None  # the exception raised by fn, when it could be pickled
+    traceback: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed (exit code {self.exitcode}):\n{self.traceback}"
+
+
+class RemoteTraceback(Exception):
+    """Carries a child's traceback text as the cause of the exception re-raised in the parent."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+def _picklable(exc: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, backend: str, init_file: str,
+           conn: multiprocessing.connection.Connection, timeout: float,
+           args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Join the group, run fn, report (ok, value) or (error, exc, text) through the pipe.
+
+    The process ends with os._exit so that no atexit handler or destructor of a half-dead
+    process group can hang it after it has reported.
+    """
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args, **kwargs)
+        conn.send(("ok", value))  # before teardown, so a hanging teardown cannot lose it
+        # No rank may exit while a peer still sets up its connections to it (gloo then
+        # fails that peer's init); after a failure this barrier fails or is killed instead.
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        code = 1
+        conn.send(("error", _picklable(exc), traceback.format_exc()))
+    finally:
+        conn.close()
+    os._exit(code)
+
+
+def _collect(procs: list[Any], conns: list[Any], deadline: float,
+             grace: float | None) -> dict[int, tuple[Any, ...]]:
+    """Read one message per rank until all have reported or died, or until the deadline.
+
+    With a ``grace`` period, the others get only that long after the first failure: they
+    are expected to fail too (peer gone) and must not keep a test waiting for the full
+    timeout. Without one (failures expected), every rank's own outcome is awaited.
+    """
+    messages: dict[int, tuple[Any, ...]] = {}
+    waiting = dict(enumerate(conns))
+    while waiting and time.monotonic() < deadline:
+        ready = multiprocessing.connection.wait(list(waiting.values()),
+                                                timeout=max(0.0, deadline - time.monotonic()))
+        for rank, conn in list(waiting.items()):
+            if conn not in ready:
+                continue
+            try:
+                messages[rank] = conn.recv()
+            except EOFError:  # died without reporting (os._exit, signal)
+                procs[rank].join(timeout=1.0)
+                messages[rank] = ("died",)
+            del waiting[rank]
+            if messages[rank][0] != "ok" and grace is not None:
+                deadline = min(deadline, time.monotonic() + grace)
+    return messages
+
+
+def _outcome(rank: int, proc: Any, message: tuple[Any, ...] | None) -> Any:
+    if message is None:
+        return RankFailure(rank, proc.exitcode, None, "killed: no result before the timeout")
+    if message[0] == "ok":
+        return message[1]
+    if message[0] == "died":
+        return RankFailure(rank, proc.exitcode, None, f"process exited with code {proc.exitcode}")
+    return RankFailure(rank, proc.exitcode, message[1], message[2])
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
+                    backend: str = "gloo", expect_failures: bool = False,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` fresh processes.
+
+    Each process joins a ``backend`` process group (rendezvous through a temporary file,
+    which avoids races on "free" TCP ports); ``fn`` must be a module-level function and its
+    return value picklable. Returns the per-rank return values. If a rank raises, dies, or
+    does not finish within ``timeout`` seconds, the remaining processes are killed and the
+    first failure is re-raised here (its exception type when picklable, with the child's
+    traceback text as the cause). With ``expect_failures=True`` nothing is raised: failed
+    ranks appear in the result list as :class:`RankFailure`.
+    """
+    ctx = mp.get_context("spawn")
+    tmpdir = tempfile.mkdtemp(prefix="ckptturbo-dist-")
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            # Not daemonic: DCP's PROCESS async mode starts a child of its own; stragglers
+            # are still killed by PID in the finally block below.
+            proc = ctx.Process(target=_child, daemon=False, name=f"rank{rank}",
+                               args=(fn, rank, world_size, backend, os.path.join(tmpdir, "store"),
+                                     writer, timeout, args, kwargs))
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            conns.append(reader)
+        messages = _collect(procs, conns, time.monotonic() + timeout,
+                            None if expect_failures else _GRACE_S)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    outcomes = [_outcome(r, p, messages.get(r)) for r, p in enumerate(procs)]
+    if not expect_failures:
+        _raise_first_failure(outcomes)
+    return outcomes
+
+
+def _raise_first_failure(outcomes: list[Any]) -> None:
+    failures = [o for o in outcomes if isinstance(o, RankFailure)]
+    if not failures:
+        return
+    # A rank that raised its own exception explains more than one that was killed after it.
+    first = next((f for f in failures if f.error is not None), failures[0])
+    cause = RemoteTraceback(str(first))
+    if first.error is not None:
+        raise first.error from cause
+    raise RuntimeError(f"rank {first.rank} failed") from cause
