@@ -136,6 +136,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         self.save_id = uuid.uuid4().hex
         self.on_staged: Callable[[], None] | None = None
         self.last_stats: dict[str, Any] = {}
+        self.plan_cache_hits = 0
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -205,6 +206,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         silent = any(not h.items and h.signature != _signature(()) for h in holdings)
         if self._cached_plan is not None and self._cached_plan[0] == key:
             assignments = self._cached_plan[1]
+            self.plan_cache_hits += 1
         else:
             # A rank that sent only its signature expected a cached plan this coordinator
             # does not have: fall back to DCP's whole-item choice, which needs no item list.
