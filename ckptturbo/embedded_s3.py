@@ -84,6 +84,7 @@ class S3Server:
 def start(data_dir: str | None = None, timeout: float = 30.0) -> S3Server:
     """Start `weed mini` on free loopback ports and wait until its S3 port answers."""
     data_dir = data_dir or tempfile.mkdtemp(prefix="ckptturbo-s3-")
+    os.makedirs(data_dir, exist_ok=True)
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
              "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
              "admin.port.grpc"]

@@ -293,8 +293,6 @@ class TurboWriter(StorageWriter, AsyncStager):
             if ranges:
                 entries.append(_Entry(item.index, flat, ranges, "tensor"))
         stats = self._stage_and_upload(entries, location)
-        if self.on_staged is not None:
-            self.on_staged()
         results = []
         for entry in entries:
             chunk_sizes = {p.chunk: stats["chunk_sizes"][p.chunk] for p in entry.pieces}
@@ -353,6 +351,7 @@ class TurboWriter(StorageWriter, AsyncStager):
                                  "chunks_written": 0, "chunks_reused": 0, "chunk_sizes": {},
                                  "written_by_entry": defaultdict(list),
                                  "reused_by_entry": defaultdict(list)}
+        events: list[Any] = []
         t0 = time.monotonic()
         for lay in layouts:
             first = lay.pieces[0]
@@ -369,9 +368,14 @@ class TurboWriter(StorageWriter, AsyncStager):
                                               entries[p.key].flat[p.start:p.end]) or event
                     pos += p.nbytes
                 stats["bytes_staged"] += lay.nbytes
+            events.append(event)
             futures.append((lay, store.submit(self._hash_and_put, view, buf, event, location,
                                               inflight)))
+        for event in events:
+            DeviceCopier.wait(event)
         stats["seconds_stage"] = time.monotonic() - t0
+        if self.on_staged is not None:  # every byte is in host memory: training may go on
+            self.on_staged()
         offsets_error: BaseException | None = None
         for lay, fut in futures:
             try:

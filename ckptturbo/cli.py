@@ -1,0 +1,494 @@
+"""The ``ckptturbo`` command: look at, check, clean up and convert checkpoints.
+
+A checkpoint in the chunk store is not a directory of files a person can read, so every
+question an operator has ("what is in it", "is it intact", "what can I free", "give me a
+file my other tool reads") needs a command. Each subcommand is a thin layer over the
+library (``catalog``, ``layout``, ``api``) so the CLI never knows more about the storage
+format than the library does.
+
+Exit codes: 0 success, 1 ``verify`` found missing or corrupt chunks, 2 any other error
+(printed as one line, ``ckptturbo: error: ...``, never as a traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import warnings
+from collections import defaultdict
+from datetime import datetime
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import __version__
+from .api import load as ct_load
+from .catalog import collect_garbage, delete_checkpoint, list_checkpoints
+from .chunks import chunk_id
+from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageError
+from .layout import ItemRecord, Location, Manifest, dtype_name
+from .store import Store
+
+log = logging.getLogger("ckptturbo.cli")
+
+EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+# --- small helpers --------------------------------------------------------------------
+
+def human(nbytes: float) -> str:
+    """Binary units, because chunk and tensor sizes are powers of two more often than not."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB' or '1048576': the spellings HF's max_shard_size and people use."""
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    if unit not in _SIZE_UNITS or not number:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 500MB, 2GiB or a byte count)")
+    try:
+        value = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def parse_storage_options(text: str) -> dict[str, Any]:
+    """fsspec takes keyword arguments; on a command line a JSON object is the least surprising."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--storage-options is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+    return value
+
+
+def iso_time(timestamp: float) -> str:
+    """Local time with its offset: readable, yet unambiguous when pasted elsewhere."""
+    return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int]) -> None:
+    """Aligned columns without a dependency; ``right`` names the numeric columns."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+
+
+def names_preview(names: Sequence[str], limit: int = 5) -> str:
+    """A chunk packed with thousands of small tensors must not flood the terminal."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def progress(total: int, desc: str) -> Any:
+    """A byte progress bar on a terminal only, so logs and pipes stay clean."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not sys.stderr.isatty())
+
+
+# --- ls ------------------------------------------------------------------------------
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Committed checkpoints only: a directory without a manifest is a save that never finished."""
+    found = list_checkpoints(args.run, args.storage_options)
+    if args.json:
+        print(json.dumps([{"name": c.name, "url": c.url, "created": c.created,
+                           "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
+                           "unique_bytes": c.unique_bytes, "items": c.items} for c in found], indent=2))
+        return EXIT_OK
+    if not found:
+        print(f"no committed checkpoints under {args.run}", file=sys.stderr)
+        return EXIT_OK
+    print_table(["NAME", "CREATED", "SIZE", "STORED", "ITEMS"],
+                [[c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes), c.items]
+                 for c in found], right={2, 3, 4})
+    return EXIT_OK
+
+
+# --- inspect -------------------------------------------------------------------------
+
+def _item_chunks(item: ItemRecord) -> set[str]:
+    return {p.chunk for s in item.shards for p in s.pieces}
+
+
+def describe(url: str, manifest: Manifest) -> dict[str, Any]:
+    """Everything inspect shows, as one JSON-able document (the table is a view of it)."""
+    tensors, objects = [], []
+    for fqn, item in sorted(manifest.items.items()):
+        nbytes = sum(s.nbytes for s in item.shards)
+        if item.kind == "tensor":
+            tensors.append({"name": fqn, "dtype": dtype_name(item.dtype), "shape": list(item.size),
+                            "bytes": nbytes, "shards": len(item.shards),
+                            "chunks": len(_item_chunks(item))})
+        else:
+            objects.append({"name": fqn, "bytes": nbytes})
+    total, unique = manifest.total_bytes, manifest.unique_bytes
+    stats = manifest.stats
+    return {"url": url, "created": manifest.created, "created_iso": iso_time(manifest.created),
+            "world_size": stats.get("world_size"), "tensors": tensors, "objects": objects,
+            "total_bytes": total, "unique_bytes": unique, "chunks": len(manifest.chunks),
+            "dedup_ratio": round(total / unique, 4) if unique else 1.0,
+            "bytes_written": stats.get("bytes_written"), "bytes_reused": stats.get("bytes_reused")}
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Shapes and dtypes answer "what is in it"; the byte totals answer "what did it cost"."""
+    info = describe(args.ckpt, Location(args.ckpt, args.storage_options).read_manifest())
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"checkpoint {info['url']}  created {info['created_iso']}  world size {info['world_size']}")
+    if info["tensors"]:
+        print(f"\ntensors ({len(info['tensors'])}):")
+        print_table(["NAME", "DTYPE", "SHAPE", "BYTES", "SHARDS", "CHUNKS"],
+                    [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", human(t["bytes"]),
+                      t["shards"], t["chunks"]] for t in info["tensors"]], right={3, 4, 5})
+    if info["objects"]:
+        print(f"\nobjects ({len(info['objects'])}):")
+        print_table(["NAME", "BYTES"], [[o["name"], human(o["bytes"])] for o in info["objects"]],
+                    right={1})
+    print(f"\ntotal bytes:         {human(info['total_bytes'])} ({info['total_bytes']})")
+    print(f"unique chunk bytes:  {human(info['unique_bytes'])} in {info['chunks']} chunks "
+          f"(dedup ratio {info['dedup_ratio']:.2f}x)")
+    if info["bytes_written"] is not None:
+        print(f"this save wrote:     {human(info['bytes_written'])} new, "
+              f"{human(info['bytes_reused'] or 0)} reused from earlier saves")
+    return EXIT_OK
+
+
+# --- verify --------------------------------------------------------------------------
+
+def check_chunk(location: Location, cid: str, size: int) -> str | None:
+    """Why a chunk is bad ("missing", "corrupt ..."), or None when its bytes hash to its name."""
+    try:
+        data = location.chunk_store.get(location.chunk_path(cid))
+    except CheckpointNotFound:
+        return "missing"
+    if len(data) != size:
+        return f"corrupt: {len(data)} bytes, the manifest says {size}"
+    if chunk_id(data) != cid:
+        return "corrupt: its BLAKE3 hash does not match its name"
+    return None
+
+
+def chunk_users(manifest: Manifest) -> dict[str, list[str]]:
+    """Which items a chunk holds bytes of, so a bad chunk is reported by the tensors it breaks."""
+    users: dict[str, list[str]] = defaultdict(list)
+    for fqn, item in sorted(manifest.items.items()):
+        for cid in sorted(_item_chunks(item)):
+            users[cid].append(fqn)
+    return users
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every chunk: bit rot, a truncated upload or an over-eager cleanup shows here,
+    not in the middle of a training restart."""
+    manifest = Location(args.ckpt, args.storage_options).read_manifest()
+    location = Location.for_manifest(args.ckpt, args.storage_options, manifest)
+    bar, lock = progress(manifest.unique_bytes, "verify"), threading.Lock()
+
+    def check(entry: tuple[str, int]) -> tuple[str, str | None]:
+        cid, size = entry
+        problem = check_chunk(location, cid, size)
+        with lock:
+            bar.update(size)
+        return cid, problem
+
+    try:
+        results = location.chunk_store.map(check, sorted(manifest.chunks.items()))
+    finally:
+        bar.close()
+    bad = [(cid, problem) for cid, problem in results if problem]
+    users = chunk_users(manifest)
+    for cid, problem in bad:
+        print(f"chunk {cid} ({human(manifest.chunks[cid])}) is {problem}; "
+              f"used by: {names_preview(users.get(cid, []))}")
+    if bad:
+        missing = sum(p == "missing" for _, p in bad)
+        print(f"FAILED {args.ckpt}: {missing} missing, {len(bad) - missing} corrupt "
+              f"of {len(manifest.chunks)} chunks")
+        return EXIT_MISMATCH
+    print(f"OK {args.ckpt}: {len(manifest.chunks)} chunks, {human(manifest.unique_bytes)} verified")
+    return EXIT_OK
+
+
+# --- gc and rm -----------------------------------------------------------------------
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Chunks are shared between checkpoints, so space is freed by a run-wide sweep, not by rm."""
+    report = collect_garbage(args.run, args.storage_options, dry_run=args.dry_run,
+                             grace_seconds=args.grace)
+    verb = "would delete" if report.dry_run else "deleted"
+    print(f"gc {args.run}: {report.referenced} chunks referenced by committed checkpoints; "
+          f"{verb} {report.deleted} unreferenced chunks ({human(report.deleted_bytes)})")
+    if report.kept_recent:
+        print(f"kept {report.kept_recent} unreferenced chunks younger than the "
+              f"{args.grace:g}s grace period")
+    return EXIT_OK
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    """Removing the manifest is the atomic delete; chunks may be shared, so gc frees them."""
+    delete_checkpoint(args.ckpt, args.storage_options)
+    run = args.ckpt.rstrip("/").rsplit("/", 1)[0]
+    print(f"deleted {args.ckpt}; run `ckptturbo gc {run}` to free chunks no other checkpoint uses")
+    return EXIT_OK
+
+
+# --- export --------------------------------------------------------------------------
+
+def load_plain(url: str, storage_options: dict[str, Any] | None, manifest: Manifest,
+               names: Sequence[str], allow_pickle: bool = False) -> dict[str, Any]:
+    """Full CPU tensors (and objects) for ``names``, keyed by their flat names.
+
+    Loading into fresh tensors of the manifest's global shapes makes the reader assemble
+    every shard, so the result is independent of the world size that saved it.
+    """
+    sd: dict[str, Any] = {}
+    for name in names:
+        item = manifest.items[name]
+        sd[name] = torch.empty(item.size, dtype=item.dtype) if item.kind == "tensor" else None
+    with warnings.catch_warnings():
+        # one process, no process group: DCP warns that it assumes so; the CLI means it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        ct_load(sd, url, storage_options=storage_options, strict=False, allow_pickle=allow_pickle)
+    return sd
+
+
+def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None) -> list[list[str]]:
+    """Tensors in name order, cut into groups of at most max_bytes (a bigger tensor alone)."""
+    if max_bytes is None:
+        return [list(names)] if names else []
+    groups: list[list[str]] = []
+    size = 0
+    for name in names:
+        nbytes = sum(s.nbytes for s in manifest.items[name].shards)
+        if not groups or (size + nbytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def export_safetensors(args: argparse.Namespace, manifest: Manifest) -> None:
+    """One file (or HF-style shards plus index) that any safetensors reader opens.
+
+    Shards are loaded and written one at a time, so ``--max-shard-size`` also bounds memory.
+    """
+    from safetensors.torch import save as st_save
+
+    tensors = sorted(n for n, i in manifest.items.items() if i.kind == "tensor")
+    for name in sorted(n for n, i in manifest.items.items() if i.kind == "bytes"):
+        log.warning("skipping object %r: safetensors holds tensors only (use --format dcp)", name)
+    groups = shard_groups(manifest, tensors, args.max_shard_size)
+    if not groups:
+        raise FormatError(f"{args.ckpt} holds no tensors to export")
+    dest = Store(args.dest, args.storage_options)
+    metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
+                "source": args.ckpt, "source_created": iso_time(manifest.created)}
+    files = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map = {}
+    for file, names in zip(files, groups):
+        sd = load_plain(args.ckpt, args.storage_options, manifest, names)
+        try:
+            data = st_save(sd, metadata=metadata)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise FormatError(f"cannot write {file} as safetensors: {exc}") from exc
+        dest.put(dest.join(dest.root, file), data)
+        weight_map.update(dict.fromkeys(names, file))
+        log.info("wrote %s (%d tensors, %s)", file, len(names), human(len(data)))
+        del sd, data
+    if len(files) > 1:
+        index = {"metadata": {**metadata, "total_size": sum(
+            sum(s.nbytes for s in manifest.items[n].shards) for n in tensors)},
+                 "weight_map": weight_map}
+        dest.put(dest.join(dest.root, "model.safetensors.index.json"),
+                 json.dumps(index, indent=2, sort_keys=True).encode())
+    print(f"exported {len(tensors)} tensors of {args.ckpt} to {args.dest} as "
+          f"{', '.join(files) if len(files) <= 3 else f'{len(files)} safetensors files'}")
+
+
+def export_dcp(args: argparse.Namespace, manifest: Manifest) -> None:
+    """A plain DCP directory for tools that only know FileSystemReader.
+
+    Objects are pickles: loading them runs code from storage, so they are exported only
+    with --allow-pickle, mirroring TurboReader's allow_pickle.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "://" in args.dest and not args.dest.startswith("file://"):
+        raise StorageError(f"--format dcp writes to a local directory, not {args.dest!r}")
+    names = sorted(n for n, i in manifest.items.items() if i.kind == "tensor" or args.allow_pickle)
+    for name in sorted(set(manifest.items) - set(names)):
+        log.warning("skipping object %r: pass --allow-pickle to export objects "
+                    "(only for checkpoints you trust)", name)
+    sd = load_plain(args.ckpt, args.storage_options, manifest, names, args.allow_pickle)
+    dest = args.dest.removeprefix("file://")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dest))
+    print(f"exported {len(sd)} items of {args.ckpt} to {dest} as a DCP checkpoint")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Other tools (inference servers, converters) read safetensors or plain DCP, not chunks."""
+    manifest = Location(args.ckpt, args.storage_options).read_manifest()
+    if args.format == "safetensors":
+        export_safetensors(args, manifest)
+    else:
+        if args.max_shard_size is not None:
+            log.warning("--max-shard-size applies to --format safetensors only; ignored")
+        export_dcp(args, manifest)
+    return EXIT_OK
+
+
+# --- bench ---------------------------------------------------------------------------
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The fastest streams x request size depends on the store and the network; measure it."""
+    from .profiles import calibrate
+
+    result = calibrate(args.calibrate, args.storage_options, streams=args.streams,
+                       chunk_sizes=args.chunk_sizes, sample_bytes=args.sample_size, save=args.save)
+    print(f"calibrated {result['object']} ({human(result['sample_bytes'])} read per setting)")
+    print_table(["STREAMS", "CHUNK", "GB/S"],
+                [[r["streams"], human(r["chunk_size"]), f"{r['gbps']:.3f}"] for r in result["results"]],
+                right={0, 1, 2})
+    print(f"best for {result['endpoint']}: streams={result['streams']} "
+          f"chunk_size={human(result['chunk_size'])} ({result['gbps']:.3f} GB/s)")
+    if "saved_to" in result:
+        print(f"saved to {result['saved_to']}; the streamer uses it for this endpoint")
+    return EXIT_OK
+
+
+# --- argument parsing ----------------------------------------------------------------
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(v) for v in text.split(",") if v.strip()]
+
+
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    """Options every subcommand takes, before or after its name.
+
+    The copy attached to subcommands defaults to SUPPRESS so that ``ckptturbo -v ls run``
+    is not undone by the subparser's own default.
+    """
+    default: Any = argparse.SUPPRESS if suppress else None
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--storage-options", type=parse_storage_options, default=default,
+                        metavar="JSON", help="fsspec options as a JSON object, e.g. "
+                        '\'{"client_kwargs": {"endpoint_url": "http://host:8333"}}\'; '
+                        "S3 credentials are also read from the usual AWS_* variables")
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS if suppress else 0,
+                        help="log progress (-v) or everything (-vv)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptturbo", parents=[_common(False)],
+                                     description="Inspect, verify, clean up and export ckptturbo checkpoints.")
+    parser.add_argument("--version", action="version", version=f"ckptturbo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = [_common(True)]
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=common, help=help_, description=help_)
+        p.set_defaults(func=fn)
+        return p
+
+    p = add("ls", cmd_ls, "list the committed checkpoints of a run")
+    p.add_argument("run", help="the run URL (the parent of the checkpoints)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("inspect", cmd_inspect, "show the tensors, objects and storage use of a checkpoint")
+    p.add_argument("ckpt", help="the checkpoint URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add("verify", cmd_verify, "re-hash every chunk of a checkpoint (exit 1 if any is bad)")
+    p.add_argument("ckpt", help="the checkpoint URL")
+
+    p = add("gc", cmd_gc, "delete chunks that no committed checkpoint of the run uses")
+    p.add_argument("run", help="the run URL (the parent of the checkpoints)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    p.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
+                   help="keep unreferenced chunks younger than this (default 0)")
+
+    p = add("rm", cmd_rm, "delete a checkpoint (its manifest); gc frees its chunks")
+    p.add_argument("ckpt", help="the checkpoint URL")
+
+    p = add("export", cmd_export, "write a plain DCP or safetensors copy of a checkpoint")
+    p.add_argument("ckpt", help="the checkpoint URL")
+    p.add_argument("dest", help="destination directory (a local path for dcp; any fsspec URL "
+                   "for safetensors)")
+    p.add_argument("--format", choices=["dcp", "safetensors"], required=True)
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
+                   help="safetensors: split into files of at most SIZE (e.g. 5GB), HF style")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="dcp: also export non-tensor objects (unpickles them; trusted checkpoints only)")
+
+    p = add("bench", cmd_bench, "measure the fastest streaming settings for a store")
+    p.add_argument("--calibrate", required=True, metavar="URL",
+                   help="a safetensors file, or a directory/prefix holding some")
+    p.add_argument("--save", action="store_true", help="store the best settings for the streamer")
+    p.add_argument("--streams", type=_int_list, default=[4, 8, 16, 32], metavar="N,N,...",
+                   help="parallel request counts to try (default 4,8,16,32)")
+    p.add_argument("--chunk-sizes", type=_size_list, default=[4 << 20, 16 << 20, 64 << 20],
+                   metavar="SIZE,...", help="request sizes to try (default 4MiB,16MiB,64MiB)")
+    p.add_argument("--sample-size", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="bytes read per setting (default 256MiB)")
+    return parser
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(format="ckptturbo: %(levelname)s: %(message)s", level=level)
+    logging.getLogger("ckptturbo").setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; errors of ours become one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except CkptTurboError as exc:
+        log.debug("error details", exc_info=True)
+        print(f"ckptturbo: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("ckptturbo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
