@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import catalog
-from .errors import CkptTurboError, MismatchError, SaveInProgress
+from .errors import CkptTurboError, CommunicationError, MismatchError, SaveInProgress
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
 from .writer import TurboWriter
@@ -96,7 +96,7 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
             staged()
             handle.durable.set_result(summary)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
-            exc = _unwrap(exc)
+            exc = _unwrap(exc, str(url))
             if not handle.staged.done():
                 handle.staged.set_exception(exc)
             handle.durable.set_exception(exc)
@@ -115,27 +115,35 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     strict=True (as in ``nn.Module.load_state_dict``) makes keys missing on either side an
     error; strict=False loads what both have in common.
     """
-    reader = TurboReader(str(url), storage_options, **reader_options)
+    reader = TurboReader(str(url), storage_options, process_group=process_group, **reader_options)
     manifest = reader.read_manifest()
     check_fits(state_dict, manifest.items, str(url), strict)
     planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
     try:
         dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        inner = _unwrap(exc)
+        inner = _unwrap(exc, str(url))
         if inner is exc:
             raise
         raise inner from exc
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """DCP wraps every rank's failure in a CheckpointException; surface ours directly."""
+def _unwrap(exc: BaseException, url: str = "") -> BaseException:
+    """DCP wraps every rank's failure in a CheckpointException; surface ours directly.
+
+    A collective that fails because a peer died surfaces from torch.distributed as a bare
+    RuntimeError; it becomes a CommunicationError that says so.
+    """
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for _, wrapped in sorted(failures.items()):
             inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
             if isinstance(inner, CkptTurboError):
                 return inner
+    if isinstance(exc, RuntimeError) and dist.is_initialized() and any(
+            m in str(exc).lower() for m in ("connection", "gloo", "nccl", "timed out", "peer")):
+        return CommunicationError(f"a peer rank failed or disconnected during the checkpoint "
+                                  f"operation on {url}: {exc}")
     return exc
 
 

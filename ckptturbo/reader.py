@@ -52,6 +52,8 @@ class TurboReader(StorageReader):
         read_ahead_bytes: how many fetched-but-unconsumed bytes a rank may hold.
         piece_size: forwarding unit of the chain broadcast.
         timeout: seconds before a silent peer makes every rank fail.
+        process_group: the group DCP loads with (default: the world); chunks are forwarded
+            over it.
         allow_pickle: DCP's planner unpickles non-tensor objects with
             ``torch.load(weights_only=False)``; by default the reader first proves each such
             object loads with ``weights_only=True`` and refuses it otherwise.
@@ -68,6 +70,7 @@ class TurboReader(StorageReader):
         piece_size: int = 8 << 20,
         timeout: float = 300.0,
         allow_pickle: bool = False,
+        process_group: Any = None,
     ) -> None:
         self.url = str(url)
         self.storage_options = storage_options
@@ -77,6 +80,7 @@ class TurboReader(StorageReader):
         self.piece_size = piece_size
         self.timeout = timeout
         self.allow_pickle = allow_pickle
+        self.process_group = process_group
         self.rank = 0
         self.is_coordinator = True
         self.bytes_from_storage = 0
@@ -88,7 +92,7 @@ class TurboReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_location=None, _lock=None)
+        state.update(_location=None, _lock=None, process_group=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -264,36 +268,59 @@ class TurboReader(StorageReader):
                 yield cid, data
 
     def _broadcast_chunks(self, chains: ReadChains, needed: list[str]) -> Iterator[tuple[str, memoryview]]:
-        """Chunks arrive from storage (this rank heads the chain) or from a peer."""
+        """Chunks arrive from storage (this rank heads the chain) or from a peer.
+
+        A local failure never breaks a chain: a head that cannot read or verify its chunk
+        forwards zeros (every receiver then fails verification and names the chunk), and a
+        receiver whose copy is corrupt keeps forwarding. Failures are raised once the
+        broadcast is over, so no rank is left waiting on a peer that gave up.
+        """
         from .broadcast import ChainBroadcaster, Transfer
 
         transfers = [Transfer(tid, nbytes, chain) for tid, (_, nbytes, chain) in enumerate(chains.rows)]
         ids = [cid for cid, _, _ in chains.rows]
+        headed = [t for t in transfers if t.chain[0] == self.rank]
+        prefetch = _Prefetcher(self, [ids[t.tid] for t in headed])
         arrived: list[tuple[str, memoryview]] = []
         ready = threading.Condition()
-        failure: list[BaseException] = []
+        failures: list[BaseException] = []
+        bad: set[str] = set()
         finished = [False]
 
         def source(t: Transfer) -> Iterator[torch.Tensor]:
-            data = self._fetch_verified(ids[t.tid])
+            cid = ids[t.tid]
+            try:
+                data = prefetch.take(cid)
+            except CkptTurboError as exc:
+                failures.append(exc)
+                bad.add(cid)
+                yield torch.zeros(t.nbytes, dtype=torch.uint8)
+                return
             yield _as_uint8(data)
 
         def sink(t: Transfer, buf: torch.Tensor) -> None:
             cid = ids[t.tid]
+            if cid in bad:
+                return
             data = memoryview(buf.cpu().numpy()).cast("B")
             if t.chain[0] != self.rank:
-                self._check(cid, data)
+                try:
+                    self._check(cid, data)
+                except IntegrityError as exc:
+                    failures.append(exc)
+                    return
             with ready:
                 arrived.append((cid, data))
                 ready.notify_all()
 
         def run() -> None:
             try:
-                ChainBroadcaster(piece_size=self.piece_size, timeout=self.timeout).run(
-                    transfers, source, sink)
+                ChainBroadcaster(self.process_group, piece_size=self.piece_size,
+                                 timeout=self.timeout).run(transfers, source, sink)
             except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
-                failure.append(exc)
+                failures.insert(0, exc)
             finally:
+                prefetch.close()
                 with ready:
                     finished[0] = True
                     ready.notify_all()
@@ -301,7 +328,6 @@ class TurboReader(StorageReader):
         thread = threading.Thread(target=run, name="ckptturbo-broadcast", daemon=True)
         thread.start()
         wanted = set(needed)
-        delivered = 0
         while True:
             with ready:
                 while not arrived and not finished[0]:
@@ -309,16 +335,13 @@ class TurboReader(StorageReader):
                 batch, arrived[:] = list(arrived), []
                 done = finished[0]
             for cid, data in batch:
-                if cid in wanted:
-                    delivered += 1
+                if cid in wanted and not failures:
                     yield cid, data
             if done and not batch:
                 break
         thread.join()
-        if failure:
-            raise failure[0]
-        if delivered < len(wanted):
-            raise CkptTurboError(f"chain broadcast delivered {delivered} of {len(wanted)} chunks")
+        if failures:
+            raise failures[0]
 
     # --- consumption -----------------------------------------------------------------
     def _consume(self, jobs: list["_Job"], chunks: Iterator[tuple[str, memoryview]],
@@ -359,6 +382,47 @@ class TurboReader(StorageReader):
             src = torch.as_strided(flat, tuple(item.lengths), _row_major_strides(shard.sizes), 0)
             target.copy_(src)
         planner.commit_tensor(item, target)
+
+
+class _Prefetcher:
+    """Reads the chunks this rank heads, in chain order, several at a time and ahead of
+    the broadcast, within the reader's read-ahead budget."""
+
+    def __init__(self, reader: "TurboReader", cids: list[str]) -> None:
+        self._reader = reader
+        self._queue = list(reversed(cids))
+        self._futures: dict[str, Future] = {}
+        self._outstanding = 0
+        self._lock = threading.Lock()
+        self._fill()
+
+    def _fill(self) -> None:
+        store = self._reader.location.chunk_store
+        sizes = self._reader._chunk_sizes
+        with self._lock:
+            while self._queue and (not self._futures or self._outstanding + sizes[self._queue[-1]]
+                                   <= self._reader.read_ahead_bytes) \
+                    and len(self._futures) < store.max_workers:
+                cid = self._queue.pop()
+                self._outstanding += sizes[cid]
+                self._futures[cid] = store.submit(self._reader._fetch_verified, cid)
+
+    def take(self, cid: str) -> memoryview:
+        with self._lock:
+            fut = self._futures.pop(cid)
+        try:
+            return fut.result()
+        finally:
+            with self._lock:
+                self._outstanding -= self._reader._chunk_sizes[cid]
+            self._fill()
+
+    def close(self) -> None:
+        with self._lock:
+            for fut in self._futures.values():
+                fut.cancel()
+            self._futures.clear()
+            self._queue.clear()
 
 
 @dataclass(eq=False)

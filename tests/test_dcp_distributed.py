@@ -176,3 +176,60 @@ def test_async_save_mutation_after_staged_4_ranks(tmp_path):
     sd = build_state(1, zeros=True)
     ct.load(sd, url)
     check_state(sd)
+
+
+def _load_outcome(rank: int, world: int, url: str) -> str:
+    sd = build_state(world, zeros=True)
+    try:
+        ct.load(sd, url, timeout=60)
+    except ct.IntegrityError as exc:
+        return f"IntegrityError: {exc}"
+    return "ok"
+
+
+def test_corrupted_chunk_makes_every_rank_raise(tmp_path):
+    url = str(tmp_path / "run" / "step-1")
+    run_distributed(save_rank, 2, url, timeout=240)
+    manifest = Location(url).read_manifest()
+    cid = manifest.items["ddp.emb"].shards[0].pieces[3].chunk
+    path = tmp_path / "run" / ".ckptturbo" / "chunks" / cid[:2] / cid
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    outcomes = run_distributed(_load_outcome, 4, url, timeout=240)
+    assert all(o.startswith("IntegrityError") and cid in o and "ddp.emb" in o for o in outcomes), outcomes
+
+
+class _DiesOnFirstTensor(torch.distributed.checkpoint.DefaultLoadPlanner):
+    """A planner whose rank crashes mid-load (a real process exit, not a simulation)."""
+
+    def commit_tensor(self, read_item, tensor):
+        import os
+
+        os._exit(3)
+
+
+def _load_with_crash(rank: int, world: int, url: str) -> tuple[str, float]:
+    import time
+
+    sd = build_state(world, zeros=True)
+    planner = _DiesOnFirstTensor() if rank == 1 else None
+    started = time.monotonic()
+    try:
+        ct.load(sd, url, planner=planner, timeout=20)
+    except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return type(exc).__name__, time.monotonic() - started
+    return "ok", time.monotonic() - started
+
+
+def test_crashed_rank_fails_the_others_within_the_timeout(tmp_path):
+    url = str(tmp_path / "run" / "step-1")
+    run_distributed(save_rank, 2, url, timeout=240)
+    outcomes = run_distributed(_load_with_crash, 4, url, timeout=180, expect_failures=True)
+    assert getattr(outcomes[1], "exitcode", None) == 3
+    for rank in (0, 2, 3):
+        outcome = outcomes[rank]
+        if isinstance(outcome, tuple):  # the rank returned: it must have failed, in time
+            assert outcome[0] == "CommunicationError" and outcome[1] < 90, outcome
+        else:  # or it died of the broken group; either way it did not hang
+            assert outcome.exitcode is not None or "Error" in outcome.traceback, outcome

@@ -1,0 +1,430 @@
+"""Chain (pipelined) broadcast of byte ranges over a torch.distributed group.
+
+On load each storage chunk is read once, by the head of a *chain* of ranks, and forwarded
+hop by hop in pieces: while rank k sends piece i to rank k+1 it receives piece i+1 from
+rank k-1. A chunk of S bytes then reaches L ranks in about S/bw + (L-1)*piece/bw instead
+of (L-1)*S/bw for the root sending to everyone, and every link carries each byte once.
+Many chains (one per chunk, different heads and orders) run at once to keep all links busy.
+
+Schedule (a pure function of the transfer list, so every rank computes the same one).
+Time is cut into *steps*. A transfer that starts at step ``s0`` sends piece ``i`` over hop
+``j`` (``chain[j] -> chain[j+1]``) at step ``s0 + i + j``: the receiver gets the piece in
+the step before it forwards it. Start steps are assigned greedily in tid order so that no
+rank ever holds more than ``max_inflight`` assembly buffers (see :func:`plan_schedule`).
+Each rank loops over steps: post the step's sends and receives as one batch
+(``batch_isend_irecv``: one NCCL group, or independent gloo operations), then do local
+work while they fly (call sinks of finished transfers, pull the next pieces from sources),
+then wait for the batch. Sources are therefore read one piece ahead of the wire: piece 0 is
+on its way before the source has produced piece 1.
+
+Deadlock freedom. (1) For every send posted at step s the peer posts the matching receive
+at the same step s, and every rank posts its operations in (step, tid) order, so each
+ordered pair of ranks sees the same sequence on both ends, with or without tags (NCCL has
+none). (2) The operations of one step are one batch, so none waits behind another of the
+same step, and a step depends only on earlier steps (a rank forwards a piece one step after
+receiving it; the head's pieces come from local storage). (3) By induction on the step,
+every rank posts and completes every step: there is no cycle to wait on, whatever the
+directions of the chains; ranks need not be in the same step, only neighbours meet.
+Posting all receives of a window first and the sends after would do for gloo but not for
+NCCL, which runs operations on a stream in posting order: if A and B head chains through
+each other, A's receive for B's chain and B's receive for A's chain each queue in front of
+the send the other waits for.
+
+Memory per rank: at most ``max_inflight`` buffers of a transfer's size (assembled bytes,
+forwarded from in place) plus one source piece being copied in. Pieces are cut at fixed
+``piece_size`` offsets of the transfer whatever sizes the source yields: the head copies
+what the source yields into its own assembly buffer (it needs one for its sink anyway) and
+sends slices of it, so the wire format never depends on how storage returned the bytes.
+A source that yields the whole transfer as one tensor on ``device`` is sent from directly.
+
+Failures: every wait has a deadline of ``timeout`` seconds from when it starts; a dead or
+stuck peer makes the others raise :class:`~ckptturbo.errors.CommunicationError` naming the
+transfer and the peer. Ranks that pass different transfer lists or settings all raise
+:class:`~ckptturbo.errors.PlanError` before any piece moves (one small all-gather). The head
+may block on its source between steps, so ``timeout`` must exceed the slowest piece read.
+Exceptions from ``source`` and ``sink`` propagate unchanged on the rank that raised them.
+Transfers without communication (a chain of one rank, or zero bytes) are done after the
+chains, since peers wait on the chains and nobody waits on them.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommunicationError, IntegrityError, PlanError
+
+logger = logging.getLogger(__name__)
+
+Source = Callable[["Transfer"], Iterator[torch.Tensor]]
+Sink = Callable[["Transfer", torch.Tensor], None]
+
+_TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One byte range to deliver from ``chain[0]`` to every other rank of ``chain``.
+
+    ``tid`` is unique and identical on every rank; it orders all processing. Ranks are
+    ranks within the broadcaster's process group.
+    """
+
+    tid: int
+    nbytes: int
+    chain: tuple[int, ...]
+
+
+def npieces(nbytes: int, piece_size: int) -> int:
+    """Number of ``piece_size`` pieces (the last one shorter) that carry ``nbytes``."""
+    return -(-nbytes // piece_size)
+
+
+def needs_communication(t: Transfer) -> bool:
+    """Whether a transfer moves bytes between ranks (else every member works alone)."""
+    return len(t.chain) > 1 and t.nbytes > 0
+
+
+def last_step(start: int, n: int, pos: int, length: int) -> int:
+    """Last step in which the member at ``pos`` of a chain of ``length`` has an operation.
+
+    The member receives piece i at ``start + pos - 1 + i`` and forwards it one step later,
+    except the tail, which only receives.
+    """
+    return start + n - 1 + pos - (1 if pos == length - 1 else 0)
+
+
+def alloc_step(start: int, pos: int) -> int:
+    """Step in which the member at ``pos`` allocates its buffer.
+
+    The head does so in the local phase of the step before it sends piece 0 (to prefill
+    it); the others just before posting their first receive.
+    """
+    return start - 1 if pos == 0 else start + pos - 1
+
+
+def _earliest_start(free_step: int, pos: int) -> int:
+    """First start step at which a member at ``pos`` may take a buffer slot.
+
+    The slot's previous buffer is handed to its sink, then dropped, in the local phase of
+    ``free_step``. The head allocates in a local phase after that phase's sinks, so step
+    ``free_step`` itself is fine; the others allocate before a step's local phase, so
+    they need the step after.
+    """
+    return free_step + 1 if pos == 0 else free_step + 2 - pos
+
+
+def plan_schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int) -> dict[int, int]:
+    """Start step of every transfer that communicates, keyed by tid.
+
+    Greedy in tid order: a transfer starts as soon as every member has a free buffer slot
+    (each rank has ``max_inflight``). Transfers with disjoint members overlap freely, so
+    independent chains run side by side. Pure and deterministic: all ranks agree.
+    """
+    slots: dict[int, list[int]] = {}  # rank -> min-heap of the free_step of each slot
+    starts: dict[int, int] = {}
+    for t in sorted(filter(needs_communication, transfers), key=lambda t: t.tid):
+        heaps = [slots.setdefault(r, [-1] * max_inflight) for r in t.chain]
+        start = max(0, *(_earliest_start(h[0], p) for p, h in enumerate(heaps)))
+        n = npieces(t.nbytes, piece_size)
+        for p, h in enumerate(heaps):
+            heapq.heapreplace(h, last_step(start, n, p, len(t.chain)) + 1)
+        starts[t.tid] = start
+    return starts
+
+
+def validate(transfers: Sequence[Transfer], world_size: int) -> None:
+    """Reject a transfer list that no schedule can serve, before any rank communicates."""
+    seen: set[int] = set()
+    for t in transfers:
+        if t.tid in seen:
+            raise PlanError(f"transfer {t.tid}: duplicate tid")
+        seen.add(t.tid)
+        if t.nbytes < 0 or not t.chain:
+            raise PlanError(f"transfer {t.tid}: needs nbytes >= 0 and a non-empty chain, got {t}")
+        if len(set(t.chain)) != len(t.chain) or not all(0 <= r < world_size for r in t.chain):
+            raise PlanError(f"transfer {t.tid}: chain {t.chain} must list distinct ranks "
+                            f"of a group of {world_size}")
+
+
+class _Op(NamedTuple):
+    tid: int
+    piece: int
+    peer: int
+    send: bool
+    tensor: torch.Tensor
+
+    def describe(self) -> str:
+        verb, prep = ("sending", "to") if self.send else ("receiving", "from")
+        return f"transfer {self.tid}: {verb} piece {self.piece} {prep} rank {self.peer}"
+
+
+class _Role:
+    """This rank's part in one scheduled transfer: its position, buffer and source."""
+
+    def __init__(self, transfer: Transfer, pos: int, start: int, piece_size: int) -> None:
+        self.transfer = transfer
+        self.pos = pos
+        self.start = start
+        self.piece_size = piece_size
+        self.npieces = npieces(transfer.nbytes, piece_size)
+        self.is_head = pos == 0
+        self.is_tail = pos == len(transfer.chain) - 1
+        self.alloc_step = alloc_step(start, pos)
+        self.last_step = last_step(start, self.npieces, pos, len(transfer.chain))
+        self.buffer: torch.Tensor | None = None
+        self.filler: _Filler | None = None
+
+    def piece(self, i: int) -> torch.Tensor:
+        assert self.buffer is not None
+        return self.buffer[i * self.piece_size:(i + 1) * self.piece_size]
+
+    def ops(self, step: int) -> list[_Op]:
+        """The receive and/or send this member posts at ``step`` (receive first: it is
+        for a later piece than the send, and order within a batch does not matter)."""
+        t, ops = self.transfer, []
+        i = step - (self.start + self.pos - 1)
+        if not self.is_head and 0 <= i < self.npieces:
+            ops.append(_Op(t.tid, i, t.chain[self.pos - 1], False, self.piece(i)))
+        i = step - (self.start + self.pos)
+        if not self.is_tail and 0 <= i < self.npieces:
+            ops.append(_Op(t.tid, i, t.chain[self.pos + 1], True, self.piece(i)))
+        return ops
+
+
+class _Filler:
+    """Assembles what a source yields into one buffer, on demand, checking its length.
+
+    A source that yields the whole transfer as one tensor on the right device is used as
+    the buffer itself: no copy, which matters where memory bandwidth is close to the link's.
+    Head buffers are only ever sent from and handed to the sink, never written to.
+    """
+
+    def __init__(self, transfer: Transfer, device: torch.device, source: Source) -> None:
+        self.transfer = transfer
+        self.device = device
+        self.buffer: torch.Tensor | None = None
+        self.pieces: Iterator[torch.Tensor] | None = iter(source(transfer))
+        self.filled = 0
+
+    def fill(self, upto: int) -> None:
+        """Pull pieces until at least ``upto`` bytes are in the buffer (the last pull may
+        bring more); once all bytes are in, make sure the source has nothing left."""
+        t = self.transfer
+        while self.filled < upto:
+            piece = next(self.pieces, None)
+            if piece is None:
+                raise IntegrityError(f"transfer {t.tid}: source ended after {self.filled} "
+                                     f"of {t.nbytes} bytes")
+            self._take(piece)
+        if self.filled == t.nbytes and self.pieces is not None:
+            for extra in self.pieces:
+                self._take(extra)
+            self.pieces = None
+            if self.buffer is None:  # zero bytes
+                self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def _take(self, piece: torch.Tensor) -> None:
+        t = self.transfer
+        if piece.dtype != torch.uint8:
+            raise TypeError(f"transfer {t.tid}: source must yield uint8 tensors, got {piece.dtype}")
+        flat = piece.reshape(-1)
+        end = self.filled + flat.numel()
+        if end > t.nbytes:
+            raise IntegrityError(f"transfer {t.tid}: source yielded more than {t.nbytes} bytes")
+        if self.buffer is None and flat.numel() == t.nbytes and flat.device == self.device:
+            self.buffer = flat
+        elif flat.numel():
+            if self.buffer is None:
+                self.buffer = torch.empty(t.nbytes, dtype=torch.uint8, device=self.device)
+            self.buffer[self.filled:end].copy_(flat)
+        self.filled = end
+
+
+class ChainBroadcaster:
+    """Delivers byte ranges along chains of ranks with pipelined point-to-point sends.
+
+    ``piece_size`` trades pipeline fill time (smaller is better) against per-message
+    overhead; ``max_inflight`` bounds the transfers (and so the full-size buffers) a rank
+    holds at once; ``timeout`` bounds every wait on a peer; ``device`` is where buffers
+    live: "cpu" for gloo, "cuda" for NCCL. All ranks must use the same settings.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, piece_size: int = 8 << 20,
+                 max_inflight: int = 4, timeout: float = 300.0,
+                 device: torch.device | str = "cpu") -> None:
+        if piece_size <= 0 or max_inflight <= 0 or timeout <= 0:
+            raise ValueError("piece_size, max_inflight and timeout must be positive")
+        self.group = group
+        self.piece_size = piece_size
+        self.max_inflight = max_inflight
+        self.timeout = timeout
+        self.device = torch.device(device)
+        self._device = self.device  # self.device made concrete at each run()
+        self.stats: dict[str, float] = {}
+
+    def run(self, transfers: Sequence[Transfer], source: Source, sink: Sink) -> None:
+        """Deliver every transfer this rank belongs to; call ``sink`` once for each.
+
+        Every rank calls run() with the same transfers in the same order. On a chain head
+        ``source(t)`` yields the bytes as uint8 tensors of any sizes (cut here into
+        ``piece_size`` pieces); every member, head included, gets ``sink(t, buffer)`` with
+        the whole transfer in one uint8 tensor of ``nbytes`` on ``device``, once it is
+        complete. The broadcaster keeps no reference after the call, so the sink may keep
+        the buffer instead of copying it (it then counts against nobody's memory bound but
+        the caller's); on the head it may be the very tensor the source yielded.
+        """
+        began = time.monotonic()
+        self._device = self.device
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        rank, world = self._rank_and_world()
+        validate(transfers, world)
+        self.stats = dict.fromkeys(("bytes_sent", "bytes_received", "pieces_sent",
+                                    "pieces_received", "transfers", "steps"), 0)
+        self.stats["transfers"] = sum(rank in t.chain for t in transfers)
+        chained = [t for t in transfers if needs_communication(t)]
+        if chained:
+            self._check_same_plan(transfers)
+            self._run_chains(chained, rank, source, sink)
+        for t in sorted(transfers, key=lambda t: t.tid):
+            if not needs_communication(t) and rank in t.chain:
+                self._run_local(t, rank, source, sink)
+        self.stats["seconds"] = time.monotonic() - began
+        logger.debug("rank %d: chain broadcast done: %s", rank, self.stats)
+
+    def _rank_and_world(self) -> tuple[int, int]:
+        if not dist.is_initialized():
+            if self.group is not None:
+                raise RuntimeError("a process group was given but torch.distributed is not initialized")
+            return 0, 1
+        rank = dist.get_rank(self.group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the broadcaster's group")
+        return rank, dist.get_world_size(self.group)
+
+    def _check_same_plan(self, transfers: Sequence[Transfer]) -> None:
+        """Make sure every rank passed the same transfers and settings.
+
+        Different lists would pair sends with the wrong receives; one small collective turns
+        that misuse into an error. It also initialises NCCL communicators on all ranks
+        before the first batched send, which NCCL requires.
+        """
+        plan = sorted((t.tid, t.nbytes, t.chain) for t in transfers)  # order is by tid anyway
+        digest = hashlib.blake2b(repr((self.piece_size, self.max_inflight, plan)).encode(),
+                                 digest_size=7).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=self._device)
+        world = dist.get_world_size(self.group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        self._wait(work, "checking that all ranks run the same transfers", time.monotonic())
+        differ = [r for r, g in enumerate(gathered) if g.item() != mine.item()]
+        if differ:
+            raise PlanError(f"ranks {differ} called run() with different transfers or settings "
+                            f"(piece_size, max_inflight) than rank {dist.get_rank(self.group)}")
+
+    def _run_chains(self, transfers: list[Transfer], rank: int, source: Source, sink: Sink) -> None:
+        """The step loop: post a step's batch, do local work while it flies, wait for it."""
+        starts = plan_schedule(transfers, self.piece_size, self.max_inflight)
+        roles = [_Role(t, t.chain.index(rank), starts[t.tid], self.piece_size)
+                 for t in transfers if rank in t.chain]
+        if not roles:
+            return
+        by_alloc = sorted(roles, key=lambda r: (r.alloc_step, r.transfer.tid))
+        heads = deque(r for r in by_alloc if r.is_head)
+        others = deque(r for r in by_alloc if not r.is_head)
+        active: list[_Role] = []
+        for step in range(min(r.alloc_step for r in roles), max(r.last_step for r in roles) + 2):
+            for role in _due(others, step):
+                role.buffer = torch.empty(role.transfer.nbytes, dtype=torch.uint8, device=self._device)
+                _activate(role, active)
+            ops = [op for role in active for op in role.ops(step)]
+            works = self._post(ops)
+            self._finish(active, step, sink)
+            for role in _due(heads, step):
+                role.filler = _Filler(role.transfer, self._device, source)
+                _activate(role, active)
+            self._prefill(active, step)
+            self._complete(ops, works)
+
+    def _prefill(self, active: list[_Role], step: int) -> None:
+        """Get from the sources the pieces heads send in the next step (overlaps the wire)."""
+        for role in active:
+            i = step + 1 - role.start
+            if role.is_head and 0 <= i < role.npieces:
+                assert role.filler is not None
+                role.filler.fill(min((i + 1) * self.piece_size, role.transfer.nbytes))
+                role.buffer = role.filler.buffer
+
+    @staticmethod
+    def _finish(active: list[_Role], step: int, sink: Sink) -> None:
+        """Hand transfers whose last operation completed in an earlier step to the sink."""
+        for role in [r for r in active if r.last_step < step]:
+            active.remove(role)
+            buffer, role.buffer, role.filler = role.buffer, None, None
+            sink(role.transfer, buffer)
+
+    def _post(self, ops: list[_Op]) -> list[dist.Work]:
+        if not ops:
+            return []
+        self.stats["steps"] += 1
+        try:
+            return dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=self.group,
+                           group_peer=op.peer, tag=op.tid & _TAG_MASK)
+                for op in ops])
+        except Exception as exc:  # a peer already known to be gone fails at posting time
+            what = "; ".join(op.describe() for op in ops)
+            raise CommunicationError(f"{what}: could not be posted: {exc}") from exc
+
+    def _complete(self, ops: list[_Op], works: list[dist.Work]) -> None:
+        """Wait for one step's batch; NCCL returns one work for the whole batch."""
+        started = time.monotonic()
+        paired = len(works) == len(ops)
+        for k, work in enumerate(works):
+            what = ops[k].describe() if paired else "; ".join(op.describe() for op in ops)
+            self._wait(work, what, started)
+        for op in ops:
+            kind = "sent" if op.send else "received"
+            self.stats[f"bytes_{kind}"] += op.tensor.numel()
+            self.stats[f"pieces_{kind}"] += 1
+
+    def _wait(self, work: dist.Work, what: str, started: float) -> None:
+        """Wait until ``timeout`` seconds after ``started``; failures become CommunicationError."""
+        remaining = self.timeout - (time.monotonic() - started)
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=max(remaining, 1e-3)))
+        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses, or IO errors
+            raise CommunicationError(f"{what}: failed or timed out ({self.timeout:g} s): {exc}") from exc
+        if done is False:
+            raise CommunicationError(f"{what}: timed out after {self.timeout:g} s")
+
+    def _run_local(self, t: Transfer, rank: int, source: Source, sink: Sink) -> None:
+        """A transfer nobody waits on: chain of one, or zero bytes. No communication."""
+        if t.chain[0] != rank:
+            sink(t, torch.empty(0, dtype=torch.uint8, device=self._device))
+            return
+        filler = _Filler(t, self._device, source)
+        filler.fill(t.nbytes)
+        assert filler.buffer is not None
+        sink(t, filler.buffer)
+
+
+def _due(queue: deque[_Role], step: int) -> Iterator[_Role]:
+    """Pop the roles (sorted by allocation step) that allocate their buffer at ``step``."""
+    while queue and queue[0].alloc_step == step:
+        yield queue.popleft()
+
+
+def _activate(role: _Role, active: list[_Role]) -> None:
+    active.append(role)
+    active.sort(key=lambda r: r.transfer.tid)  # posting order within a step: by tid
