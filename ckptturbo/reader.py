@@ -161,7 +161,7 @@ class TurboReader(StorageReader):
         if chains is not None and dist.is_initialized():
             chunks = self._broadcast_chunks(chains, needed)
         else:
-            chunks = self._fetch_chunks(needed)
+            chunks = self._fetch_chunks(needed, self._in_place_targets(jobs))
         self._consume(jobs, chunks, planner)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
@@ -219,11 +219,28 @@ class TurboReader(StorageReader):
         return _Job(item, shard, start, end, target, bytearray(end - start))
 
     # --- chunk sources ---------------------------------------------------------------
-    def _fetch_verified(self, cid: str) -> memoryview:
+    def _in_place_targets(self, jobs: list["_Job"]) -> dict[str, memoryview]:
+        """Chunks that are exactly one slice of one destination tensor: those are read
+        straight into the tensor's memory and verified there, with no buffer or copy."""
+        users: dict[str, int] = defaultdict(int)
+        for job in jobs:
+            for p in job.shard.pieces:
+                if p.start < job.end and p.start + p.length > job.start:
+                    users[p.chunk] += 1
+        targets: dict[str, memoryview] = {}
+        for job in jobs:
+            if not job.direct or job.dest is None:
+                continue
+            for p in job.shard.pieces:
+                if users[p.chunk] == 1 and p.offset == 0 and p.length == self._chunk_sizes[p.chunk]:
+                    targets[p.chunk] = memoryview(job.dest[p.start:p.start + p.length].numpy())
+                    job.in_place.add(p.chunk)
+        return targets
+
+    def _fetch_verified(self, cid: str, out: memoryview | None = None) -> memoryview:
         location = self.location
         size = self._chunk_sizes[cid]
-        buf = bytearray(size)
-        view = memoryview(buf)
+        view = memoryview(bytearray(size)) if out is None else out
         if size:
             location.chunk_store.get_into(location.chunk_path(cid), view)
         with self._lock:
@@ -243,7 +260,8 @@ class TurboReader(StorageReader):
                 f"{actual}; it holds bytes of {', '.join(map(repr, users[:20]))}"
                 f"{' ...' if len(users) > 20 else ''} in checkpoint {self.url}")
 
-    def _fetch_chunks(self, cids: list[str]) -> Iterator[tuple[str, memoryview]]:
+    def _fetch_chunks(self, cids: list[str], into: dict[str, memoryview] | None = None
+                      ) -> Iterator[tuple[str, memoryview]]:
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
         store = self.location.chunk_store
         pending: dict[Future, str] = {}
@@ -254,7 +272,7 @@ class TurboReader(StorageReader):
                               <= self.read_ahead_bytes) and len(pending) < store.max_workers:
                 cid = queued.pop()
                 outstanding += self._chunk_sizes[cid]
-                pending[store.submit(self._fetch_verified, cid)] = cid
+                pending[store.submit(self._fetch_verified, cid, (into or {}).get(cid))] = cid
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             for fut in done:
                 cid = pending.pop(fut)
@@ -438,6 +456,7 @@ class _Job:
     direct: bool = False
     missing: int = 0
     done: bool = False
+    in_place: set[str] = dataclasses.field(default_factory=set)
 
     def fill(self, cid: str, data: memoryview) -> None:
         dest = self.dest
@@ -448,7 +467,9 @@ class _Job:
             if lo >= hi:
                 continue
             src = data[p.offset + lo - p.start: p.offset + hi - p.start]
-            if self.direct:
+            if cid in self.in_place:
+                pass  # the chunk was read into the destination itself
+            elif self.direct:
                 dest[lo - self.start: hi - self.start].copy_(_frombuffer(src))
             else:
                 memoryview(dest)[lo - self.start: hi - self.start] = src
