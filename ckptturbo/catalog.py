@@ -49,7 +49,8 @@ def _fresh(store: Store, path: str, now: float) -> bool:
 def begin_save(location: Location, save_id: str, wait: float = LOCK_WAIT) -> str:
     """Announce a save, wait out a running gc, and return the store's gc generation."""
     store = location.chunk_store
-    store.put(_control(location, "pending", save_id), json.dumps({"time": time.time()}).encode())
+    store.put(_control(location, "pending", save_id), json.dumps({"time": time.time()}).encode(),
+              durable=False)
     lock = _control(location, "gc.lock")
     deadline = time.monotonic() + wait
     while store.exists(lock) and _fresh(store, lock, time.time()):

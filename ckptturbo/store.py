@@ -30,7 +30,11 @@ from .errors import CheckpointNotFound, StorageAuthError, StorageError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 2}}
+# Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
+# redundant CPU work on both sides; it is computed only where S3 requires it.
+DEFAULT_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 2},
+                     "request_checksum_calculation": "when_required",
+                     "response_checksum_validation": "when_required"}
 _TRANSIENT_MARKERS = (
     "slowdown", "slow down", "throttl", "503", "500", "502", "504", "internalerror",
     "serviceunavailable", "requesttimeout", "timed out", "timeout", "connection reset",
@@ -195,10 +199,14 @@ class Store:
         raise AssertionError("unreachable")
 
     # --- writes
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        """Write an object whole: readers see the old object or the new one, never a part."""
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
+        """Write an object whole: readers see the old object or the new one, never a part.
+
+        ``durable=False`` skips the local fsyncs, for advisory markers whose loss in a
+        crash is harmless (an fsync can wait behind a whole save's dirty pages).
+        """
         if self.is_local:
-            self._call("write", path, lambda: self._put_local(path, data))
+            self._call("write", path, lambda: self._put_local(path, data, durable))
             return
 
         def put_remote() -> None:
@@ -209,7 +217,7 @@ class Store:
 
         self._call("write", path, put_remote)
 
-    def _put_local(self, path: str, data: bytes | bytearray | memoryview) -> None:
+    def _put_local(self, path: str, data: bytes | bytearray | memoryview, durable: bool) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
@@ -217,12 +225,15 @@ class Store:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        if not durable:
+            return
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)

@@ -352,7 +352,15 @@ class TurboWriter(StorageWriter, AsyncStager):
                                  "written_by_entry": defaultdict(list),
                                  "reused_by_entry": defaultdict(list)}
         events: list[Any] = []
+        deferred: list[tuple] = []  # uploads wait until staging is done: on few cores
+        # hashing competes with the copy the training loop is waiting for
         t0 = time.monotonic()
+
+        def start_uploads() -> None:
+            for lay, args in deferred:
+                futures.append((lay, store.submit(self._hash_and_put, *args)))
+            deferred.clear()
+
         for lay in layouts:
             first = lay.pieces[0]
             source = entries[first.key].flat
@@ -361,7 +369,12 @@ class TurboWriter(StorageWriter, AsyncStager):
             if zero_copy:
                 view, buf, event = source[first.start:first.end], None, None
             else:
-                buf = self._ensure_pool(share).acquire(lay.nbytes)
+                pool = self._ensure_pool(share)
+                try:
+                    buf = pool.acquire(lay.nbytes, timeout=0)
+                except TimeoutError:  # the pool is full: uploads must free it (waves)
+                    start_uploads()
+                    buf = pool.acquire(lay.nbytes)
                 view, pos, event = buf.tensor, 0, None
                 for p in lay.pieces:
                     event = self._copier.copy(view[pos:pos + p.nbytes],
@@ -369,13 +382,13 @@ class TurboWriter(StorageWriter, AsyncStager):
                     pos += p.nbytes
                 stats["bytes_staged"] += lay.nbytes
             events.append(event)
-            futures.append((lay, store.submit(self._hash_and_put, view, buf, event, location,
-                                              inflight)))
+            deferred.append((lay, (view, buf, event, location, inflight)))
         for event in events:
             DeviceCopier.wait(event)
         stats["seconds_stage"] = time.monotonic() - t0
         if self.on_staged is not None:  # every byte is in host memory: training may go on
             self.on_staged()
+        start_uploads()
         offsets_error: BaseException | None = None
         for lay, fut in futures:
             try:
