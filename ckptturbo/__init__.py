@@ -14,12 +14,14 @@ from .errors import (
 )
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
+from .stream import safe_open, stream_safetensors
 from .writer import ReplicaMismatchError, TurboWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TurboWriter", "TurboReader", "save", "load", "delete", "SaveHandle", "SaveSummary",
+    "safe_open", "stream_safetensors",
     "CkptTurboError", "CheckpointNotFound", "CommunicationError", "FormatError",
     "IntegrityError", "MismatchError", "PlanError", "ReplicaMismatchError", "SaveInProgress",
     "StorageAuthError", "StorageError",

@@ -1,0 +1,181 @@
+"""Clairvoyant, memory-bounded prefetch of byte ranges in the order they will be consumed.
+
+The streamer knows every range it will need, and in which order, before the first byte
+arrives (the safetensors headers say so). Following NoPFS, the optimal policy is then
+simple: fetch exactly the next range not yet present, at the first opportunity, and drop
+each range as soon as it has been consumed. :class:`Prefetcher` does that with three
+bounds: at most ``streams`` requests in flight, only ranges of the ``lookahead`` files
+starting at the consumer's current one, and a :class:`MemoryBudget` that every range
+reserves before its request is issued and returns when the consumer releases it. Ranges
+are issued strictly in consumption order and released in that order too, so the range
+the consumer waits for can always be issued (everything before it is released), which
+makes the bound deadlock-free as long as every range fits in the budget.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import CkptTurboError
+
+log = logging.getLogger(__name__)
+
+
+class MemoryBudget:
+    """Bytes held by the streamer, bounded by ``limit``; tracks the peak for tests and stats."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    def try_acquire(self, nbytes: int) -> bool:
+        with self._cv:
+            if self.held + nbytes > self.limit:
+                return False
+            self._take(nbytes)
+            return True
+
+    def acquire(self, nbytes: int, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Block until ``nbytes`` fit (False if ``cancelled`` became true meanwhile)."""
+        if nbytes > self.limit:
+            raise ValueError(f"cannot reserve {nbytes} bytes under a limit of {self.limit}")
+        with self._cv:
+            while self.held + nbytes > self.limit:
+                if cancelled():
+                    return False
+                self._cv.wait(0.1)
+            self._take(nbytes)
+            return True
+
+    def _take(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self.held -= nbytes
+            self._cv.notify_all()
+
+
+@dataclass(eq=False)
+class Read:
+    """One ranged read [start, end) of ``path``; ``file`` is its file's position in the stream."""
+
+    index: int
+    file: int
+    path: str
+    start: int
+    end: int
+    data: bytes | bytearray | memoryview | None = None
+    error: BaseException | None = None
+    reserved: bool = False  # its size is counted in the budget until released
+    released: bool = False
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def fill(self, data: bytes | bytearray | memoryview) -> None:
+        self.data = data
+        self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.done.set()
+
+
+class Prefetcher:
+    """Keeps the next reads in flight, bounded by streams, lookahead files and memory."""
+
+    def __init__(self, reads: list[Read], fetch: Callable[[Read], bytes],
+                 submit: Callable[..., Future], budget: MemoryBudget, *,
+                 streams: int, lookahead: int) -> None:
+        self.reads = reads
+        self._fetch = fetch
+        self._submit = submit
+        self.budget = budget
+        self.streams = max(1, streams)
+        self.lookahead = max(1, lookahead)
+        self._lock = threading.Lock()
+        self._next = 0
+        self._inflight = 0
+        self._file = 0
+        self._closed = False
+        self._futures: list[Future] = []
+
+    def start(self) -> None:
+        self._pump()
+
+    def at_file(self, file_index: int) -> None:
+        """The consumer moved on to ``file_index``: later files enter the lookahead window."""
+        self._file = file_index
+        self._pump()
+
+    def wait(self, read: Read) -> bytes | bytearray | memoryview:
+        read.done.wait()
+        if read.error is not None:
+            raise read.error
+        assert read.data is not None
+        return read.data
+
+    def release(self, read: Read) -> None:
+        """The consumer is done with ``read``: drop its bytes and let the next reads go."""
+        with self._lock:
+            if read.released:
+                return
+            read.released = True
+            read.data = None
+        if read.reserved:
+            self.budget.release(read.size)
+        self._pump()
+
+    def close(self) -> None:
+        """Stop issuing, wait for requests in flight, and return every reservation."""
+        with self._lock:
+            self._closed = True
+            futures = list(self._futures)
+        for fut in futures:
+            fut.exception()  # wait; errors no longer matter to anyone
+        for read in self.reads:
+            self.release(read)
+
+    def _pump(self) -> None:
+        with self._lock:
+            while (not self._closed and self._next < len(self.reads)
+                   and self._inflight < self.streams):
+                read = self.reads[self._next]
+                if read.done.is_set():  # already filled (kept from a header probe)
+                    self._next += 1
+                    continue
+                if read.file >= self._file + self.lookahead:
+                    break
+                if not self.budget.try_acquire(read.size):
+                    break
+                read.reserved = True
+                self._inflight += 1
+                self._next += 1
+                self._futures = [f for f in self._futures if not f.done()]
+                self._futures.append(self._submit(self._run, read))
+
+    def _run(self, read: Read) -> None:
+        try:
+            data = self._fetch(read)
+            if len(data) != read.size:
+                raise CkptTurboError(f"short read of {read.path} [{read.start}, {read.end}): "
+                                     f"got {len(data)} bytes")
+            read.fill(data)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer that waits on it
+            log.debug("read %s [%d, %d) failed: %s", read.path, read.start, read.end, exc)
+            with self._lock:
+                self._closed = True  # nothing after a failed read will be consumed
+            read.fail(exc)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+            self._pump()
