@@ -48,7 +48,10 @@ class TurboReader(StorageReader):
         storage_options: passed to fsspec unchanged.
         verify: check every chunk's BLAKE3 id (default True).
         broadcast: with a process group, read each chunk from storage once and forward
-            it to the other ranks that need it (default True).
+            it to the other ranks that need it. "auto" (default) does so for object stores;
+            local files are read by every rank, since ranks of one node share the page
+            cache, which is faster than forwarding. True forces it (e.g. a shared network
+            file system mounted as a local path).
         read_ahead_bytes: how many fetched-but-unconsumed bytes a rank may hold.
         piece_size: forwarding unit of the chain broadcast.
         timeout: seconds before a silent peer makes every rank fail.
@@ -65,7 +68,7 @@ class TurboReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         *,
         verify: bool = True,
-        broadcast: bool = True,
+        broadcast: bool | str = "auto",
         read_ahead_bytes: int = 1 << 30,
         piece_size: int = 8 << 20,
         timeout: float = 300.0,
@@ -141,8 +144,13 @@ class TurboReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
+    def _broadcasting(self) -> bool:
+        if self.broadcast == "auto":
+            return not self.location.chunk_store.is_local
+        return bool(self.broadcast)
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if not self.broadcast or len(plans) < 2:
+        if not self._broadcasting() or len(plans) < 2:
             return plans
         needers: dict[str, set[int]] = defaultdict(set)
         for rank, plan in enumerate(plans):

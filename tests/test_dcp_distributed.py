@@ -236,3 +236,20 @@ def test_crashed_rank_fails_the_others_within_the_timeout(tmp_path):
             assert outcome[0] == "CommunicationError" and outcome[1] < 90, outcome
         else:  # or it died of the broken group; either way it did not hang
             assert outcome.exitcode is not None or "Error" in outcome.traceback, outcome
+
+
+def load_rank_s3(rank: int, world: int, url: str, opts: dict) -> int:
+    sd = build_state(world, zeros=True)
+    reader = ct.TurboReader(url, opts)  # broadcast="auto": on for object stores
+    dcp.load(sd, storage_reader=reader)
+    check_state(sd)
+    return reader.bytes_from_storage
+
+
+def test_grouped_load_from_s3_reads_each_chunk_once(s3_server):
+    url = s3_server.url("run") + "/step-1"
+    opts = s3_server.storage_options
+    dcp.save(build_state(1, zeros=False), storage_writer=ct.TurboWriter(url, opts, chunk_size=CHUNK))
+    unique = Location(url, opts).read_manifest().unique_bytes
+    fetched = run_distributed(load_rank_s3, 3, url, opts, timeout=240)
+    assert sum(fetched) == unique, (fetched, unique)
