@@ -1,0 +1,60 @@
+"""The benchmark scenarios run end to end at a tiny size, write the JSON the docs quote, and
+every correctness check inside them passes (what was loaded equals what was saved).
+
+Performance targets are not asserted here: at 8 MiB fixed costs dominate, and the numbers
+of the default sizes are in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIOS = ["local-1p", "s3-1p", "ddp-4r-local"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    work = tmp_path_factory.mktemp("bench-work")
+    docs = {}
+    for name in SCENARIOS:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.run", name, "--size-mb", "8", "--reps", "1",
+             "--out", str(out), "--workdir", str(work)],
+            cwd=ROOT, capture_output=True, text=True, timeout=80)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        with open(out / f"{name}.json") as f:
+            docs[name] = json.load(f)
+        assert (out / f"{name}.png").stat().st_size > 0
+    return docs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_report(results, name):
+    doc = results[name]
+    for key in ("scenario", "params", "date", "machine", "comparisons", "checks", "checks_passed",
+                "raw"):
+        assert key in doc, key
+    assert doc["scenario"] == name
+    assert doc["params"]["size_mb"] == 8
+    assert doc["checks"] and doc["checks_passed"], doc["checks"]
+    for c in doc["comparisons"]:
+        assert {"name", "ckptturbo", "peer", "ratio", "target", "met"} <= set(c)
+        assert c["ckptturbo"] >= 0 and c["peer"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_byte_accounting(results):
+    """Bytes are exact, unlike times: check them even at the tiny size."""
+    by_name = {c["name"]: c for c in results["ddp-4r-local"]["comparisons"]}
+    assert by_name["total bytes written"]["ratio"] <= 1.02
+    assert by_name["max/mean bytes per rank"]["ratio"] <= 1.10
+    s3 = {c["name"]: c for c in results["s3-1p"]["comparisons"]}
+    served = s3["bytes served by storage per load"]
+    assert served["ckptturbo"] >= results["s3-1p"]["raw"]["state"]["bytes"]  # the proxy counted it
