@@ -15,7 +15,7 @@ import logging
 import threading
 import warnings
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -271,27 +271,12 @@ class TurboReader(StorageReader):
     def _fetch_chunks(self, cids: list[str], into: dict[str, memoryview] | None = None
                       ) -> Iterator[tuple[str, memoryview]]:
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
-        store = self.location.chunk_store
-        pending: dict[Future, str] = {}
-        queued = list(reversed(cids))
-        outstanding = 0
-        while queued or pending:
-            while queued and (not pending or outstanding + self._chunk_sizes[queued[-1]]
-                              <= self.read_ahead_bytes) and len(pending) < store.max_workers:
-                cid = queued.pop()
-                outstanding += self._chunk_sizes[cid]
-                pending[store.submit(self._fetch_verified, cid, (into or {}).get(cid))] = cid
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for fut in done:
-                cid = pending.pop(fut)
-                outstanding -= self._chunk_sizes[cid]
-                try:
-                    data = fut.result()
-                except BaseException:
-                    for other in pending:
-                        other.cancel()
-                    raise
-                yield cid, data
+        prefetch = _Prefetcher(self, cids, into)
+        try:
+            for cid in cids:
+                yield cid, prefetch.take(cid)
+        finally:
+            prefetch.close()
 
     def _broadcast_chunks(self, chains: ReadChains, needed: list[str]) -> Iterator[tuple[str, memoryview]]:
         """Chunks arrive from storage (this rank heads the chain) or from a peer.
@@ -411,11 +396,14 @@ class TurboReader(StorageReader):
 
 
 class _Prefetcher:
-    """Reads the chunks this rank heads, in chain order, several at a time and ahead of
-    the broadcast, within the reader's read-ahead budget."""
+    """Reads chunks in the order they will be taken (first use, or chain order for the
+    chunks a rank heads), several at a time, within the reader's read-ahead budget.
+    Chunks with an entry in ``into`` are read straight into that memory."""
 
-    def __init__(self, reader: "TurboReader", cids: list[str]) -> None:
+    def __init__(self, reader: "TurboReader", cids: list[str],
+                 into: dict[str, memoryview] | None = None) -> None:
         self._reader = reader
+        self._into = into or {}
         self._queue = list(reversed(cids))
         self._futures: dict[str, Future] = {}
         self._outstanding = 0
@@ -431,7 +419,8 @@ class _Prefetcher:
                     and len(self._futures) < store.max_workers:
                 cid = self._queue.pop()
                 self._outstanding += sizes[cid]
-                self._futures[cid] = store.submit(self._reader._fetch_verified, cid)
+                self._futures[cid] = store.submit(self._reader._fetch_verified, cid,
+                                                  self._into.get(cid))
 
     def take(self, cid: str) -> memoryview:
         with self._lock:

@@ -296,8 +296,8 @@ class TurboWriter(StorageWriter, AsyncStager):
         results = []
         for entry in entries:
             chunk_sizes = {p.chunk: stats["chunk_sizes"][p.chunk] for p in entry.pieces}
-            written = sum(stats["written_by_entry"].get(id(entry), ()))
-            reused = sum(stats["reused_by_entry"].get(id(entry), ()))
+            written = stats["written_by_entry"].get(id(entry), 0)
+            reused = stats["reused_by_entry"].get(id(entry), 0)
             part = ShardPart(entry.kind, entry.flat.numel(), entry.pieces, chunk_sizes, written,
                              reused, fingerprints.pop(entry.index, None))
             results.append(WriteResult(index=entry.index, size_in_bytes=sum(
@@ -349,8 +349,8 @@ class TurboWriter(StorageWriter, AsyncStager):
         futures = []
         stats: dict[str, Any] = {"bytes_staged": 0, "bytes_written": 0, "bytes_reused": 0,
                                  "chunks_written": 0, "chunks_reused": 0, "chunk_sizes": {},
-                                 "written_by_entry": defaultdict(list),
-                                 "reused_by_entry": defaultdict(list)}
+                                 "written_by_entry": defaultdict(int),
+                                 "reused_by_entry": defaultdict(int)}
         events: list[Any] = []
         deferred: list[tuple] = []  # uploads wait until staging is done: on few cores
         # hashing competes with the copy the training loop is waiting for
@@ -389,29 +389,29 @@ class TurboWriter(StorageWriter, AsyncStager):
         if self.on_staged is not None:  # every byte is in host memory: training may go on
             self.on_staged()
         start_uploads()
-        offsets_error: BaseException | None = None
+        first_error: BaseException | None = None
         for lay, fut in futures:
             try:
                 cid, new = fut.result()
             except BaseException as exc:  # noqa: BLE001 - drain every upload, raise the first
-                offsets_error = offsets_error or exc
+                first_error = first_error or exc
                 continue
             stats["chunk_sizes"][cid] = lay.nbytes
             owner = id(entries[lay.pieces[0].key])
             if new:
                 stats["bytes_written"] += lay.nbytes
                 stats["chunks_written"] += 1
-                stats["written_by_entry"][owner].append(lay.nbytes)
+                stats["written_by_entry"][owner] += lay.nbytes
             else:
                 stats["bytes_reused"] += lay.nbytes
                 stats["chunks_reused"] += 1
-                stats["reused_by_entry"][owner].append(lay.nbytes)
+                stats["reused_by_entry"][owner] += lay.nbytes
             offset = 0
             for p in lay.pieces:
                 entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, cid, offset))
                 offset += p.nbytes
-        if offsets_error is not None:
-            raise offsets_error
+        if first_error is not None:
+            raise first_error
         for entry in entries:
             entry.pieces.sort(key=lambda p: p.start)
         stats["seconds_upload"] = time.monotonic() - t0
