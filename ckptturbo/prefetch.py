@@ -89,6 +89,14 @@ class Read:
         self.error = exc
         self.done.set()
 
+    def result(self) -> bytes | bytearray | memoryview:
+        """Block until the read is filled; raise what made it fail."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None
+        return self.data
+
 
 class Prefetcher:
     """Keeps the next reads in flight, bounded by streams, lookahead files and memory."""
@@ -118,11 +126,7 @@ class Prefetcher:
         self._pump()
 
     def wait(self, read: Read) -> bytes | bytearray | memoryview:
-        read.done.wait()
-        if read.error is not None:
-            raise read.error
-        assert read.data is not None
-        return read.data
+        return read.result()
 
     def release(self, read: Read) -> None:
         """The consumer is done with ``read``: drop its bytes and let the next reads go."""

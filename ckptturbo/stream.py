@@ -266,19 +266,29 @@ class SafetensorsStream:
         if self._dist:
             return  # stream_dist keeps them on rank 0, which heads those reads
         for f, reads in zip(self.files, self._reads):
-            if f.tail is None:
-                continue
-            used = 0
-            for r in reads:
-                if r.end > f.probe_end:
-                    break
-                lo = r.start - f.header.data_start
+            for r, data in self.tail_slices(f, reads):
                 r.reserved = True  # its share of the tail's reservation
-                r.fill(f.tail[lo:lo + r.size])
-                used += r.size
-                self.source.remember_range(f.entry, r.start, r.data)
-            self.budget.release(len(f.tail) - used)
-            f.tail = None
+                r.fill(data)
+
+    def tail_slices(self, f: StreamFile, reads: Sequence[Read]) -> list[tuple[Read, bytes]]:
+        """The leading reads of ``f`` that its header GET already holds, with their bytes.
+
+        Those ranges go to the cache, the tail's budget reservation shrinks to what they
+        use (each returned read keeps its share until it is released), and the file lets
+        go of its tail.
+        """
+        if f.tail is None:
+            return []
+        served = []
+        for r in reads:
+            if r.end > f.probe_end:
+                break
+            lo = r.start - f.header.data_start
+            served.append((r, f.tail[lo:lo + r.size]))
+            self.source.remember_range(f.entry, r.start, served[-1][1])
+        self.budget.release(len(f.tail) - sum(r.size for r, _ in served))
+        f.tail = None
+        return served
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._started:

@@ -116,18 +116,8 @@ class Feeder:
         """Rank 0 heads the reads inside its header GETs and serves them from those bytes."""
         stream = self.stream
         for f, reads in zip(stream.files, stream._reads):
-            if f.tail is None:
-                continue
-            used = 0
-            for r in reads:
-                if r.end > f.probe_end:
-                    break
-                lo = r.start - f.header.data_start
-                self.tails[r.index] = f.tail[lo:lo + r.size]  # reserved with the tail
-                used += r.size
-                stream.source.remember_range(f.entry, r.start, self.tails[r.index])
-            self.budget.release(len(f.tail) - used)
-            f.tail = None
+            for r, data in stream.tail_slices(f, reads):
+                self.tails[r.index] = data  # reserved with the tail
 
     def _batches(self, reads: list[Read]) -> list[list[tuple[Read, int]]]:
         """Consecutive reads of about ``batch_bytes``, each with its reader rank.
@@ -161,11 +151,7 @@ class Feeder:
         """Batches, not files, bound what is in flight here."""
 
     def wait(self, read: Read) -> bytes | bytearray | memoryview:
-        read.done.wait()
-        if read.error is not None:
-            raise read.error
-        assert read.data is not None
-        return read.data
+        return read.result()
 
     def release(self, read: Read) -> None:
         if not read.released:
