@@ -10,6 +10,7 @@ is ever unpickled. Every field is validated on the way in: a manifest may be hos
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import time
 from dataclasses import dataclass, field
@@ -26,16 +27,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .chunks import StoredPiece, chunk_relpath, validate_chunk_id
+from .chunks import StoredPiece, chunk_id, chunk_relpath, validate_chunk_id
 from .errors import CheckpointNotFound, FormatError
 from .store import Store
 
 FORMAT_NAME = "ckptturbo-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 manifests carry no checksum of their own; they are still read (with a warning).
+READABLE_VERSIONS = (1, 2)
+CHECKSUM_FIELD = "blake3"
 MANIFEST_NAME = "manifest.json"
 CONTROL_DIR = ".ckptturbo"
 CHUNKS_DIR = f"{CONTROL_DIR}/chunks"
 MAX_MANIFEST_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -147,19 +153,21 @@ class Manifest:
             "chunks": self.chunks,
             "items": {fqn: item.to_json() for fqn, item in self.items.items()},
         }
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        doc[CHECKSUM_FIELD] = chunk_id(_canonical(doc))
+        return _canonical(doc)
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "Manifest":
         try:
             doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise FormatError(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise FormatError(f"{where} is not a ckptturbo manifest")
-        if doc.get("version") != FORMAT_VERSION:
+        if doc.get("version") not in READABLE_VERSIONS:
             raise FormatError(f"{where} has format version {doc.get('version')!r}; "
-                              f"this ckptturbo reads version {FORMAT_VERSION}")
+                              f"this ckptturbo reads versions {READABLE_VERSIONS}")
+        _check_checksum(doc, where)
         chunks = doc.get("chunks")
         if not isinstance(chunks, dict):
             raise FormatError(f"{where}: 'chunks' must be an object")
@@ -258,6 +266,33 @@ class Location:
 
     def write_manifest(self, manifest: Manifest) -> None:
         self.store.put(self.manifest_path, manifest.to_bytes())
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    """The one serialisation a manifest is written in and its checksum is taken over."""
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _check_checksum(doc: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose content differs from what was committed, before any of
+    its offsets is trusted: chunks are verified by their ids, but a flipped digit in a
+    piece offset would otherwise put verified bytes in the wrong place.
+
+    The checksum covers the parsed document re-serialised canonically, so it catches
+    every change of meaning (a digit, a key, a name) whether it happened at rest or in
+    transit; changes that parse to the same document (whitespace) are harmless.
+    """
+    stored = doc.pop(CHECKSUM_FIELD, None)
+    if doc["version"] == 1:
+        log.warning("%s is a version 1 manifest without a checksum: its offsets cannot be "
+                    "verified (re-save to upgrade)", where)
+        return
+    if not isinstance(stored, str):
+        raise FormatError(f"{where} has no {CHECKSUM_FIELD!r} checksum; refusing to trust it")
+    actual = chunk_id(_canonical(doc))
+    if actual != stored:
+        raise FormatError(f"{where} is corrupted: its content hashes to {actual[:16]}..., "
+                          f"the checksum it was committed with is {stored[:16]}...")
 
 
 def _ints(values: Any, where: str) -> list[int]:

@@ -9,6 +9,14 @@ single PUTs (atomic by nature, multipart above ``multipart_threshold``) and no f
 Transient failures (5xx, throttling, connection resets, timeouts) are retried with
 exponential backoff and full jitter; permanent ones are mapped to ckptturbo's errors at
 once, so a wrong URL or bad credentials fail fast instead of after minutes of retries.
+
+Nothing waits without a bound. On object stores every attempt of a request has a
+wall-clock limit (``request_timeout``, which also covers an upload whose peer stopped
+reading, where socket read timeouts never fire), and every call gives up retrying after
+``deadline`` seconds. When a call exhausts its retries without the store answering any
+request meanwhile, the store is taken to be down: for ``outage_cooldown`` seconds the
+other calls on it fail at once instead of each waiting out its own deadline, so a save
+or load against a dead or partitioned store fails within one deadline, not once per chunk.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointNotFound, StorageAuthError, StorageError
@@ -31,10 +40,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
-# redundant CPU work on both sides; it is computed only where S3 requires it.
-DEFAULT_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 2},
+# redundant CPU work on both sides; it is computed only where S3 requires it. Retries are
+# ours (Store._call, bounded by a deadline), so botocore makes one attempt per call.
+DEFAULT_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30,
+                     "retries": {"total_max_attempts": 1},
                      "request_checksum_calculation": "when_required",
                      "response_checksum_validation": "when_required"}
+# Bounds on waiting for an object store, in seconds; the environment may override them
+# (CKPTTURBO_REQUEST_TIMEOUT, CKPTTURBO_DEADLINE, CKPTTURBO_OUTAGE_COOLDOWN) for every
+# store a job opens, including those DCP's planners and background threads create.
+DEFAULT_REQUEST_TIMEOUT = 60.0
+DEFAULT_DEADLINE = 120.0
+DEFAULT_OUTAGE_COOLDOWN = 30.0
 _TRANSIENT_MARKERS = (
     "slowdown", "slow down", "throttl", "503", "500", "502", "504", "internalerror",
     "serviceunavailable", "requesttimeout", "timed out", "timeout", "connection reset",
@@ -55,6 +72,21 @@ class ObjectInfo:
     path: str
     size: int
     mtime: float | None
+
+
+def _bound(name: str, given: float | None, default: float) -> float:
+    if given is not None:
+        return float(given)
+    raw = os.environ.get(f"CKPTTURBO_{name}")
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StorageError(f"CKPTTURBO_{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise StorageError(f"CKPTTURBO_{name} must be positive, got {raw!r}")
+    return value
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -87,6 +119,9 @@ class Store:
         backoff: float = 0.2,
         multipart_threshold: int = 128 << 20,
         part_size: int = 32 << 20,
+        request_timeout: float | None = None,
+        deadline: float | None = None,
+        outage_cooldown: float | None = None,
     ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
@@ -94,6 +129,9 @@ class Store:
         self.backoff = backoff
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        self.request_timeout = _bound("REQUEST_TIMEOUT", request_timeout, DEFAULT_REQUEST_TIMEOUT)
+        self.deadline = _bound("DEADLINE", deadline, DEFAULT_DEADLINE)
+        self.outage_cooldown = _bound("OUTAGE_COOLDOWN", outage_cooldown, DEFAULT_OUTAGE_COOLDOWN)
         self.max_workers = max_workers or default_io_workers()
         options = dict(self.storage_options)
         protocol = fsspec.utils.get_protocol(self.url)
@@ -111,18 +149,20 @@ class Store:
         self.root = self.root.rstrip("/") or "/"
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._last_success = time.monotonic()  # when a request last succeeded
+        self._down_until = 0.0
 
     # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and pools stay behind
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "storage_options": self.storage_options,
                 "max_workers": self.max_workers, "retries": self.retries, "backoff": self.backoff,
-                "multipart_threshold": self.multipart_threshold, "part_size": self.part_size}
+                "multipart_threshold": self.multipart_threshold, "part_size": self.part_size,
+                "request_timeout": self.request_timeout, "deadline": self.deadline,
+                "outage_cooldown": self.outage_cooldown}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["storage_options"], max_workers=state["max_workers"],
-                      retries=state["retries"], backoff=state["backoff"],
-                      multipart_threshold=state["multipart_threshold"],
-                      part_size=state["part_size"])
+        url, options = state.pop("url"), state.pop("storage_options")
+        self.__init__(url, options, **state)
 
     # --- paths
     def join(self, base: str, *parts: str) -> str:
@@ -175,11 +215,15 @@ class Store:
                 self._pool = None
 
     def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        """Run one storage request with retries, within ``deadline`` seconds in all."""
+        started = time.monotonic()
         delay = self.backoff
         for attempt in range(self.retries + 1):
+            self._refuse_while_down(what, path)
             try:
-                return fn()
+                result = fn()
             except FileNotFoundError as exc:
+                self._last_success = time.monotonic()
                 raise CheckpointNotFound(f"{what}: {self.url_of(path)} does not exist ({exc})") from exc
             except (StorageError, CheckpointNotFound):
                 raise
@@ -188,15 +232,44 @@ class Store:
                     raise StorageAuthError(
                         f"{what}: access to {self.url_of(path)} was refused ({exc}); "
                         "check the credentials in storage_options or the environment") from exc
-                if not _is_transient(exc) or attempt == self.retries:
-                    raise StorageError(f"{what} {self.url_of(path)} failed: "
-                                       f"{type(exc).__name__}: {exc}") from exc
                 sleep = random.uniform(0, delay)
+                elapsed = time.monotonic() - started
+                if not _is_transient(exc):
+                    raise self._failure(what, path, exc, "") from exc
+                if attempt == self.retries or elapsed + sleep > self.deadline:
+                    if self._last_success < started:  # nothing succeeded while we tried
+                        self._down_until = time.monotonic() + self.outage_cooldown
+                    raise self._failure(what, path, exc, f" after {attempt + 1} attempts "
+                                                         f"in {elapsed:.1f}s") from exc
                 log.warning("%s %s: transient %s (%s); retry %d/%d in %.2fs", what, path,
                             type(exc).__name__, exc, attempt + 1, self.retries, sleep)
                 time.sleep(sleep)
                 delay = min(delay * 2, 10.0)
+            else:
+                self._last_success = time.monotonic()
+                return result
         raise AssertionError("unreachable")
+
+    def _failure(self, what: str, path: str, exc: BaseException, tries: str) -> StorageError:
+        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            cause += f" (no answer within request_timeout={self.request_timeout:g}s)"
+        return StorageError(f"{what} {self.url_of(path)} failed{tries}: {cause}")
+
+    def _refuse_while_down(self, what: str, path: str) -> None:
+        """Fail at once while a recent call found the store unreachable (see module doc)."""
+        if time.monotonic() < self._down_until:
+            raise StorageError(
+                f"{what} {self.url_of(path)} not attempted: {self.url} did not answer any "
+                f"request for {self.deadline:g}s (deadline) and is treated as down; "
+                f"retrying after {self.outage_cooldown:g}s")
+
+    def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an fsspec method; on async filesystems (s3, gcs) bounded by request_timeout,
+        which cancels the request itself rather than abandoning a thread to it."""
+        if isinstance(self.fs, AsyncFileSystem):
+            kwargs["timeout"] = self.request_timeout
+        return getattr(self.fs, method)(*args, **kwargs)
 
     # --- writes
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
@@ -211,9 +284,9 @@ class Store:
 
         def put_remote() -> None:
             if len(data) >= self.multipart_threshold and self.protocol in ("s3", "s3a"):
-                self.fs.pipe_file(path, data, chunksize=self.part_size)
+                self._request("pipe_file", path, _BytesSlices(data), chunksize=self.part_size)
             else:
-                self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+                self._request("pipe_file", path, bytes(data) if isinstance(data, memoryview) else data)
 
         self._call("write", path, put_remote)
 
@@ -245,7 +318,7 @@ class Store:
         """Bytes [start, end) of an object (all of it by default)."""
         if self.is_local:
             return self._call("read", path, lambda: self._get_local(path, start, end))
-        return self._call("read", path, lambda: self.fs.cat_file(path, start=start, end=end))
+        return self._call("read", path, lambda: self._request("cat_file", path, start=start, end=end))
 
     def _get_local(self, path: str, start: int | None, end: int | None) -> bytes:
         with open(path, "rb") as f:
@@ -273,22 +346,18 @@ class Store:
             raise StorageError(f"short read of {self.url_of(path)}: {len(data)} of {len(out)} bytes")
         out[:] = data
 
-    def get_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Several ranges of one object, fetched in parallel on the I/O pool."""
-        return self.map(lambda r: self.get(path, r[0], r[1]), ranges)
-
     # --- metadata
     def exists(self, path: str) -> bool:
-        return self._call("stat", path, lambda: self.fs.exists(path))
+        return self._call("stat", path, lambda: self._request("exists", path))
 
     def info(self, path: str) -> ObjectInfo:
-        raw = self._call("stat", path, lambda: self.fs.info(path))
+        raw = self._call("stat", path, lambda: self._request("info", path))
         return ObjectInfo(path, int(raw.get("size") or 0), _mtime(raw))
 
     def list_files(self, prefix: str) -> list[ObjectInfo]:
         """Every object under prefix (recursive); an absent prefix lists as empty."""
         try:
-            found = self._call("list", prefix, lambda: self.fs.find(prefix, detail=True))
+            found = self._call("list", prefix, lambda: self._request("find", prefix, detail=True))
         except CheckpointNotFound:
             return []
         return [ObjectInfo(p, int(d.get("size") or 0), _mtime(d))
@@ -297,7 +366,7 @@ class Store:
     def list_dirs(self, prefix: str) -> list[str]:
         """Immediate children of prefix that are directories (or common prefixes)."""
         try:
-            entries = self._call("list", prefix, lambda: self.fs.ls(prefix, detail=True, refresh=True))
+            entries = self._call("list", prefix, lambda: self._request("ls", prefix, detail=True, refresh=True))
         except CheckpointNotFound:
             return []
         return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
@@ -305,14 +374,28 @@ class Store:
     def delete(self, paths: Iterable[str]) -> None:
         paths = list(paths)
         if paths:
-            self.map(lambda p: self._call("delete", p, lambda: self.fs.rm_file(p)), paths)
+            self.map(lambda p: self._call("delete", p, lambda: self._request("rm_file", p)), paths)
 
     def check_reachable(self) -> None:
         """Fail fast with a clear error when the location (bucket, directory) is unusable."""
         if self.is_local:
             return
         bucket = self.root.split("/", 1)[0]
-        self._call("open bucket", bucket, lambda: self.fs.ls(bucket, refresh=True))
+        self._call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
+
+
+class _BytesSlices:
+    """A buffer whose slices are ``bytes``: s3fs cuts multipart bodies by slicing, and
+    botocore accepts bytes but not memoryviews, so each part is copied only as it is sent."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, key: slice) -> bytes:
+        return bytes(self._view[key])
 
 
 def _mtime(info: dict[str, Any]) -> float | None:

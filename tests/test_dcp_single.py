@@ -4,7 +4,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 
+import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -64,7 +66,8 @@ def test_round_trip_local(tmp_path, scheme):
     dcp.load(out, storage_reader=ct.TurboReader(url))
     assert_state_equal(sd, out)
     manifest = json.loads((tmp_path / "run" / "step-1" / "manifest.json").read_text())
-    assert manifest["format"] == "ckptturbo-manifest" and manifest["version"] == 1
+    assert manifest["format"] == "ckptturbo-manifest" and manifest["version"] == 2
+    assert re.fullmatch(r"[0-9a-f]{64}", manifest["blake3"])  # the manifest's own checksum
     # the 300x257 float tensor is cut into 64 KiB chunks: several chunks, all content-named
     w_pieces = manifest["items"]["w"]["shards"][0]["pieces"]
     assert len(w_pieces) == -(-300 * 257 * 4 // (64 << 10))
@@ -180,6 +183,13 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
     assert_state_equal(sd, out)
 
 
+def reseal(doc: dict) -> bytes:
+    """The manifest with a checksum matching its (edited) content, as docs/format.md defines it."""
+    doc.pop("blake3", None)
+    doc["blake3"] = blake3.blake3(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+    return json.dumps(doc).encode()
+
+
 def test_hostile_manifest_is_rejected(tmp_path):
     sd = {"w": torch.arange(10.0)}
     url = str(tmp_path / "run" / "step-1")
@@ -188,7 +198,7 @@ def test_hostile_manifest_is_rejected(tmp_path):
     doc = json.loads(path.read_text())
     cid = next(iter(doc["chunks"]))
     doc["chunks"]["../../../etc/passwd"] = doc["chunks"].pop(cid)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(reseal(doc))  # a hostile writer can compute a valid checksum
     with pytest.raises(ct.FormatError, match="invalid chunk id"):
         ct.load({"w": torch.zeros(10)}, url)
     path.write_text("{not json")
