@@ -142,7 +142,10 @@ class Store:
             options.setdefault("max_concurrency", 8)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
-        except (ImportError, ValueError) as exc:
+        except ImportError as exc:
+            extra = " (pip install 'ckptturbo[s3]')" if protocol in ("s3", "s3a") else ""
+            raise StorageError(f"cannot open storage for {self.url!r}: {exc}{extra}") from exc
+        except ValueError as exc:
             raise StorageError(f"cannot open storage for {self.url!r}: {exc}") from exc
         self.protocol = protocol
         self.is_local = isinstance(self.fs, LocalFileSystem)

@@ -6,6 +6,7 @@ multipart on a real SeaweedFS, and a TCP endpoint that accepts connections and n
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -163,3 +164,36 @@ def test_outage_fails_every_pending_request_at_once(black_hole):
     assert time.monotonic() - started < 4 + 1 + 3
     with pytest.raises(ct.StorageError, match="treated as down"):
         store.get(paths[0])
+
+
+SECRET = "ckptturbo-distinctive-secret-8c1f0e"
+
+
+def test_no_secret_leaks_into_errors_logs_or_reprs(s3_server, caplog, monkeypatch, black_hole):
+    """Wrong credentials, a missing bucket and an unreachable endpoint: the secret from
+    storage_options appears in no exception message, log record (any level) or repr."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    wrong = dict(s3_server.storage_options, secret=SECRET)
+    missing_bucket = dict(s3_server.storage_options)
+    silent = dict(black_hole, secret=SECRET)
+    texts = []
+    sd = {"w": torch.ones(4)}
+    cases = [(s3_server.url("run") + "/step-1", wrong),
+             ("s3://no-such-bucket-ckptturbo/run/step-1", missing_bucket),
+             ("s3://bucket/run/step-1", silent)]
+    for url, opts in cases:
+        writer, reader = ct.TurboWriter(url, opts), ct.TurboReader(url, opts)
+        texts += [repr(writer), repr(reader), repr(Store(url, opts))]
+        for attempt in (lambda: ct.save(sd, url, storage_options=opts).wait(timeout=120),
+                        lambda: ct.load({"w": torch.zeros(4)}, url, storage_options=opts)):
+            with pytest.raises(ct.CkptTurboError) as info:
+                attempt()
+            chain = info.value
+            while chain is not None:
+                texts.append(f"{type(chain).__name__}: {chain} {chain.args!r}")
+                chain = chain.__cause__ or chain.__context__
+    texts += [record.getMessage() for record in caplog.records]
+    assert len(caplog.records) > 0
+    leaked = [t for t in texts if SECRET in t]
+    assert not leaked, leaked[:3]
