@@ -114,7 +114,9 @@ class ItemRecord:
     def from_json(cls, fqn: str, raw: Any) -> "ItemRecord":
         if not isinstance(raw, dict) or raw.get("kind") not in ("tensor", "bytes"):
             raise FormatError(f"malformed item record for {fqn!r}")
-        shards = [ShardRecord.from_json(s, fqn) for s in raw.get("shards", [])]
+        if not isinstance(raw.get("shards"), list):
+            raise FormatError(f"malformed item record for {fqn!r}: 'shards' must be a list")
+        shards = [ShardRecord.from_json(s, fqn) for s in raw["shards"]]
         if raw["kind"] == "bytes":
             if len(shards) != 1:
                 raise FormatError(f"object {fqn!r} must have exactly one shard")
@@ -183,13 +185,13 @@ class Manifest:
                 for p in shard.pieces:
                     if p.chunk not in chunks or p.offset + p.length > chunks[p.chunk]:
                         raise FormatError(f"{where}: {fqn!r} names bytes outside chunk {p.chunk}")
-        store = doc.get("chunk_store", "..")
-        if not isinstance(store, str):
-            raise FormatError(f"{where}: 'chunk_store' must be a string")
+        store = _typed(doc, "chunk_store", str, "..", where)
+        created = _typed(doc, "created", (int, float), 0, where)
         return cls(items=items, chunks={k: int(v) for k, v in chunks.items()},
                    planner_data=_planner_data_from_json(doc.get("planner_data")),
-                   storage_meta=doc.get("storage_meta") or {}, created=float(doc.get("created", 0)),
-                   stats=doc.get("stats") or {}, chunk_store=store, dcp_version=doc.get("dcp_version"))
+                   storage_meta=_typed(doc, "storage_meta", dict, {}, where),
+                   created=float(created), stats=_typed(doc, "stats", dict, {}, where),
+                   chunk_store=store, dcp_version=_typed(doc, "dcp_version", str, None, where))
 
     # --- DCP view
     def to_metadata(self) -> Metadata:
@@ -293,6 +295,17 @@ def _check_checksum(doc: dict[str, Any], where: str) -> None:
     if actual != stored:
         raise FormatError(f"{where} is corrupted: its content hashes to {actual[:16]}..., "
                           f"the checksum it was committed with is {stored[:16]}...")
+
+
+def _typed(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any,
+           where: str) -> Any:
+    """A top-level field of the expected JSON type (absent or null: the default)."""
+    value = doc.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise FormatError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
+    return value
 
 
 def _ints(values: Any, where: str) -> list[int]:
