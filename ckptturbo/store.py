@@ -362,6 +362,7 @@ class Store:
         try:
             found = self._call("list", prefix, lambda: self._request("find", prefix, detail=True))
         except CheckpointNotFound:
+            self.check_reachable()  # an absent prefix is empty; an absent bucket is an error
             return []
         return [ObjectInfo(p, int(d.get("size") or 0), _mtime(d))
                 for p, d in sorted(found.items()) if d.get("type", "file") == "file"]
@@ -371,6 +372,7 @@ class Store:
         try:
             entries = self._call("list", prefix, lambda: self._request("ls", prefix, detail=True, refresh=True))
         except CheckpointNotFound:
+            self.check_reachable()
             return []
         return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
 
@@ -384,7 +386,11 @@ class Store:
         if self.is_local:
             return
         bucket = self.root.split("/", 1)[0]
-        self._call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
+        try:
+            self._call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
+        except CheckpointNotFound as exc:
+            raise CheckpointNotFound(f"bucket {self.protocol}://{bucket} does not exist "
+                                     f"(opening {self.url})") from exc
 
 
 class _BytesSlices:

@@ -197,3 +197,13 @@ def test_no_secret_leaks_into_errors_logs_or_reprs(s3_server, caplog, monkeypatc
     assert len(caplog.records) > 0
     leaked = [t for t in texts if SECRET in t]
     assert not leaked, leaked[:3]
+
+
+def test_listing_a_missing_bucket_is_an_error(s3_server):
+    """An absent prefix lists as empty, but an absent bucket is a wrong URL, not an empty run."""
+    opts = s3_server.storage_options
+    listing = subprocess.run([sys.executable, "-m", "ckptturbo.cli", "ls", "s3://no-such-bucket-ckptturbo/run",
+                              "--storage-options", json.dumps(opts)], capture_output=True, text=True, timeout=120)
+    assert listing.returncode != 0
+    assert "no-such-bucket-ckptturbo does not exist" in listing.stderr
+    assert Store(s3_server.url("empty"), opts).list_dirs(s3_server.url("empty")[5:]) == []
