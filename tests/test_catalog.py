@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import catalog
+from ckptturbo import catalog, chunk_index
 from ckptturbo.layout import Location
 from distributed import run_distributed
 
@@ -64,9 +64,11 @@ def test_save_waits_for_running_gc_then_relists(tmp_path):
     lock.write_text(json.dumps({"time": time.time()}))  # a gc is "running"
     catalog.collect_garbage(str(run), dry_run=True)
     writer = ct.TurboWriter(str(run / "b"), pack_threshold=1024)
-    # the writer's chunk index predates the gc: it believes every chunk of "a" exists
-    writer._known = {p.name for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()}
-    writer._known_generation = "0"
+    # the run's chunk index (kept across writers) predates the gc: it believes every
+    # chunk of "a" exists
+    index = chunk_index.index_for(writer.location.run)
+    stored = {p.name for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()}
+    assert stored and all(cid in index for cid in stored) and index.generation == "0"
     done = threading.Event()
 
     def save() -> None:
