@@ -93,8 +93,10 @@ def copy_stall(sd: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> fl
 
 
 def measure(reps: int, variants: dict[str, Callable[[int], float]],
-            perturb: Callable[[], None]) -> dict[str, list[float]]:
-    """Every variant once per repetition, in rotating order; warm-up runs are not kept."""
+            perturb: Callable[[], None], settle: float) -> dict[str, list[float]]:
+    """Every variant once per repetition, in rotating order; warm-up runs are not kept.
+    Each sample starts ``settle`` seconds after the previous one ended, so the server's
+    work on the last upload does not land on the next copy (the machine may be small)."""
     names = list(variants)
     for name in names:
         variants[name](-1)
@@ -102,6 +104,7 @@ def measure(reps: int, variants: dict[str, Callable[[int], float]],
     for rep in range(reps):
         perturb()
         for name in names[rep % len(names):] + names[:rep % len(names)]:
+            time.sleep(settle)
             out[name].append(variants[name](rep))
             log.info("  rep %d %-24s %.4f s", rep, name, out[name][-1])
     return out
@@ -114,6 +117,7 @@ def main() -> None:
     p.add_argument("--tensor-mib", type=int, default=16)
     p.add_argument("--latency-ms", type=float, default=30.0)
     p.add_argument("--conn-mbps", type=float, default=1000.0, help="per-connection cap, MB/s")
+    p.add_argument("--settle", type=float, default=1.0, help="pause before each sample (s)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="write the samples and medians here")
     args = p.parse_args()
@@ -145,7 +149,7 @@ def main() -> None:
             "dcp.async_save S3": lambda r: async_save_stall(sd, f"{s3_run}/async-{r}", s3_opts),
             "dcp.async_save local": lambda r: async_save_stall(sd, f"{local_run}/async-{r}", None),
         }
-        samples = measure(args.reps, variants, perturb)
+        samples = measure(args.reps, variants, perturb, args.settle)
     finally:
         if proxy is not None:
             stop(proxy)

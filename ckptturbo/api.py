@@ -8,8 +8,10 @@ DCP's own async save hang when they interleave.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +32,37 @@ _writers: collections.OrderedDict[tuple, TurboWriter] = collections.OrderedDict(
 _inflight: dict[tuple, SaveHandle] = {}
 _side_groups: dict[Any, Any] = {}
 _lock = threading.Lock()
+_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                           r"assuming the intent is to (save|load) in a single process")
+_quiet_users = 0
+
+
+@contextlib.contextmanager
+def _single_process(no_dist: bool) -> Iterator[None]:
+    """Keep DCP's single-process warning out of ckptturbo's own group-less calls.
+
+    DCP warns on every call without a process group, even when told ``no_dist=True``; a
+    ct.save / ct.load without one means exactly that. One "ignore" filter is shared by
+    the calls in flight (threads) and removed after the last; catch_warnings is not used
+    because it would restore other threads' filters when a background save ends.
+    """
+    global _quiet_users
+    if not no_dist:
+        yield
+        return
+    with _lock:
+        if _quiet_users == 0:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        _quiet_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _quiet_users -= 1
+            if _quiet_users == 0:
+                warnings.filters[:] = [f for f in warnings.filters
+                                       if not (f[0] == "ignore" and f[1] is not None
+                                               and f[1].pattern == _SINGLE_PROCESS_WARNING)]
 
 
 def _side_group(group: Any) -> Any:
@@ -97,9 +130,9 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
         writer.reset(str(url))
         writer.on_staged = staged
         try:
-            # no_dist without a process group: DCP would warn about it on every save
-            dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner,
-                     no_dist=group is None)
+            with _single_process(group is None):
+                dcp.save(state_dict, storage_writer=writer, process_group=group,
+                         planner=planner, no_dist=group is None)
             stats = writer.last_stats
             summary = SaveSummary(
                 url=str(url), bytes_total=stats.bytes_written + stats.bytes_reused,
@@ -134,8 +167,9 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     check_fits(state_dict, manifest.items, str(url), strict)
     planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
     try:
-        dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner,
-                 no_dist=not dist.is_initialized())
+        with _single_process(not dist.is_initialized()):
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                     planner=planner, no_dist=not dist.is_initialized())
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         inner = _unwrap(exc, str(url))
         if inner is exc:
