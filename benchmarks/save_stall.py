@@ -95,8 +95,9 @@ def copy_stall(sd: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> fl
 def measure(reps: int, variants: dict[str, Callable[[int], float]],
             perturb: Callable[[], None], settle: float) -> dict[str, list[float]]:
     """Every variant once per repetition, in rotating order; warm-up runs are not kept.
-    Each sample starts ``settle`` seconds after the previous one ended, so the server's
-    work on the last upload does not land on the next copy (the machine may be small)."""
+    Before each sample dirty pages are flushed (``os.sync``) and ``settle`` seconds pass,
+    so the disk writeback and server work of the last upload do not land on the next copy
+    (the machine may be small)."""
     names = list(variants)
     for name in names:
         variants[name](-1)
@@ -104,6 +105,7 @@ def measure(reps: int, variants: dict[str, Callable[[int], float]],
     for rep in range(reps):
         perturb()
         for name in names[rep % len(names):] + names[:rep % len(names)]:
+            os.sync()
             time.sleep(settle)
             out[name].append(variants[name](rep))
             log.info("  rep %d %-24s %.4f s", rep, name, out[name][-1])

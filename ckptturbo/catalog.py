@@ -64,12 +64,15 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
 
 
 def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
-    """Remove the pending markers of these ranks of a save (absent ones are fine)."""
-    for rank in ranks:  # one by one: a missing marker must not hide the others
-        try:
-            run.store.delete([run.pending_path(save_id, rank)])
-        except CheckpointNotFound:
-            pass
+    """Remove the pending markers of these ranks of a save (absent ones are fine); a
+    failure is only logged: it must not fail a committed save."""
+    try:  # in parallel; every delete is attempted before the first failure is reported
+        run.store.delete([run.pending_path(save_id, rank) for rank in ranks])
+    except CheckpointNotFound:
+        pass
+    except CkptTurboError as exc:  # advisory: the save itself stands, the markers expire
+        log.warning("could not remove the pending markers of save %s (%s); gc of %s waits "
+                    "until they expire after %ss", save_id, exc, run.store.url_of(run.root), MARKER_TTL)
 
 
 def generation(run: RunStore) -> str:

@@ -55,8 +55,8 @@ class SaveStats(Mapping):
     chunks_written: int = 0
     chunks_reused: int = 0
     seconds_stage: float = 0.0
-    seconds_upload: float = 0.0
-    seconds_write: float = 0.0
+    seconds_upload: float = 0.0  # from the start of staging to the last upload
+    seconds_write: float = 0.0  # all of write_data (set by the writer)
 
     def __getitem__(self, key: str) -> float:
         if key not in _STAT_NAMES:
@@ -186,8 +186,7 @@ class Upload:
         return SaveStats(bytes_staged=staged_bytes, bytes_written=written,
                          bytes_reused=sum(s.layout.nbytes for s in stored) - written,
                          chunks_written=len(new), chunks_reused=len(stored) - len(new),
-                         seconds_stage=staged_at - started, seconds_upload=done - started,
-                         seconds_write=done - started)
+                         seconds_stage=staged_at - started, seconds_upload=done - started)
 
     # --- stage: copies only, no storage request -------------------------------------
     def _stage(self, entries: list[Entry]) -> int:

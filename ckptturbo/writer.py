@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import Future
@@ -25,14 +26,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import catalog, replicas, save_plan
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
-from .errors import CkptTurboError
-from .errors import ReplicaMismatchError  # noqa: F401 - public here before errors.py had it
+from .errors import CkptTurboError, ReplicaMismatchError
 from .layout import Location, ReplicaPrint, ShardPart, build_manifest
 from .save_plan import Assignment, Holdings
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
 from .upload import SaveStats, Upload, plan_entries, stage_state_dict, write_results
 
 log = logging.getLogger(__name__)
+
+__all__ = ["TurboWriter", "ReplicaMismatchError"]  # the error was public here before errors.py
 
 
 class TurboWriter(StorageWriter, AsyncStager):
@@ -175,6 +177,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        started = time.monotonic()
         assignment = plan.storage_data if isinstance(plan.storage_data, Assignment) else None
         try:
             entries, prints = plan_entries(plan, planner, assignment, self.replica_check)
@@ -182,7 +185,8 @@ class TurboWriter(StorageWriter, AsyncStager):
                             self.rank, pool_for=self._ensure_pool, copier=self._copier,
                             chunk_size=self.chunk_size, pack_threshold=self.pack_threshold,
                             snapshot=self.snapshot, on_staged=self.on_staged)
-            self.last_stats = upload.run(entries)
+            stats = upload.run(entries)
+            self.last_stats = dataclasses.replace(stats, seconds_write=time.monotonic() - started)
         finally:
             if self._staged_buffers and self._pool is not None:  # dcp.async_save's copy
                 for buf in self._staged_buffers.popleft():
