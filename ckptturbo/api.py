@@ -11,12 +11,14 @@ import collections
 import contextlib
 import threading
 import time
+import traceback
 import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -181,15 +183,16 @@ def _unwrap(exc: BaseException, url: str = "") -> BaseException:
     """DCP wraps every rank's failure in a CheckpointException; surface ours directly.
 
     The first of our own errors found in the exception, its causes, or the ranks' failures
-    is returned; failing that, a torch.distributed error (a peer died or disconnected)
-    becomes a CommunicationError that says so.
+    is returned; failing that, an error raised by a torch.distributed collective (a peer
+    died or disconnected; gloo reports it as a plain RuntimeError) becomes a
+    CommunicationError that says so. Classified by type and origin, never by message.
     """
     found = list(_related(exc))
-    for candidate in found:
+    for candidate, _ in found:
         if isinstance(candidate, CkptTurboError):
             return candidate
-    for candidate in found:
-        if isinstance(candidate, dist.DistError):
+    for candidate, origin in found:
+        if isinstance(candidate, dist.DistError) or origin == _C10D_FILE:
             error = CommunicationError(f"a peer rank failed or disconnected during the checkpoint "
                                        f"operation on {url}: {candidate}")
             error.__cause__ = candidate
@@ -197,22 +200,32 @@ def _unwrap(exc: BaseException, url: str = "") -> BaseException:
     return exc
 
 
-def _related(exc: BaseException) -> Iterator[BaseException]:
-    """exc, then (depth first) each rank's failure and each cause or context, once each."""
+_C10D_FILE = distributed_c10d.__file__
+
+
+def _related(exc: BaseException) -> Iterator[tuple[BaseException, str | None]]:
+    """(exception, file of its innermost frame): exc, then (depth first) each rank's
+    failure and each cause or context, once each."""
     seen: set[int] = set()
-    stack = [exc]
+    stack: list[tuple[BaseException, str | None]] = [(exc, _origin(exc))]
     while stack:
-        current = stack.pop()
+        current, origin = stack.pop()
         if id(current) in seen:
             continue
         seen.add(id(current))
-        yield current
-        nested: list[BaseException] = []
+        yield current, origin
+        nested: list[tuple[BaseException, str | None]] = []
         if isinstance(current, CheckpointException):
             for _, wrapped in sorted(current.failures.items()):
-                nested.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
-        nested += [e for e in (current.__cause__, current.__context__) if e is not None]
+                inner, summary = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
+                nested.append((inner, summary[-1].filename if summary else _origin(inner)))
+        nested += [(e, _origin(e)) for e in (current.__cause__, current.__context__) if e is not None]
         stack.extend(reversed(nested))
+
+
+def _origin(exc: BaseException) -> str | None:
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    return frames[-1][0].f_code.co_filename if frames else None
 
 
 def delete(url: str, *, storage_options: dict[str, Any] | None = None) -> None:

@@ -2,12 +2,14 @@
 bounded writer reuse, and no DCP single-process warning from ct.save / ct.load."""
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 import ckptturbo as ct
@@ -85,3 +87,9 @@ def test_unwrap_finds_our_errors_by_type_not_message():
     assert isinstance(comm, ct.CommunicationError) and "s3://x" in str(comm)
     plain = RuntimeError("connection reset by peer")  # a message alone classifies nothing
     assert api._unwrap(plain, "u") is plain
+    # gloo reports a dead peer as a plain RuntimeError raised inside a c10d collective; a
+    # failure gathered from another rank keeps only its stack summary
+    gloo = RuntimeError("Read error")
+    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather", None)])
+    comm = api._unwrap(CheckpointException("load failed", {2: (gloo, stack)}), "u")
+    assert isinstance(comm, ct.CommunicationError) and comm.__cause__ is gloo
