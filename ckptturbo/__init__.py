@@ -8,6 +8,7 @@ from .errors import (
     IntegrityError,
     MismatchError,
     PlanError,
+    ReplicaMismatchError,
     SaveInProgress,
     StorageAuthError,
     StorageError,
@@ -15,7 +16,7 @@ from .errors import (
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
 from .stream import safe_open, stream_safetensors
-from .writer import ReplicaMismatchError, TurboWriter
+from .writer import TurboWriter
 
 __version__ = "0.1.0"
 

@@ -7,14 +7,19 @@ DCP's own async save hang when they interleave.
 """
 from __future__ import annotations
 
-import logging
+import collections
+import contextlib
 import threading
 import time
-from typing import Any
+import traceback
+import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import catalog
@@ -23,12 +28,43 @@ from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
 from .writer import TurboWriter
 
-log = logging.getLogger(__name__)
+MAX_WRITERS = 8  # kept for reuse (pool, plan cache); the least recently used is closed
 
-_writers: dict[tuple, TurboWriter] = {}
-_inflight: dict[int, SaveHandle] = {}
+_writers: collections.OrderedDict[tuple, TurboWriter] = collections.OrderedDict()
+_inflight: dict[tuple, SaveHandle] = {}
 _side_groups: dict[Any, Any] = {}
 _lock = threading.Lock()
+_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                           r"assuming the intent is to (save|load) in a single process")
+_quiet_users = 0
+
+
+@contextlib.contextmanager
+def _single_process(no_dist: bool) -> Iterator[None]:
+    """Keep DCP's single-process warning out of ckptturbo's own group-less calls.
+
+    DCP warns on every call without a process group, even when told ``no_dist=True``; a
+    ct.save / ct.load without one means exactly that. One "ignore" filter is shared by
+    the calls in flight (threads) and removed after the last; catch_warnings is not used
+    because it would restore other threads' filters when a background save ends.
+    """
+    global _quiet_users
+    if not no_dist:
+        yield
+        return
+    with _lock:
+        if _quiet_users == 0:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        _quiet_users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _quiet_users -= 1
+            if _quiet_users == 0:
+                warnings.filters[:] = [f for f in warnings.filters
+                                       if not (f[0] == "ignore" and f[1] is not None
+                                               and f[1].pattern == _SINGLE_PROCESS_WARNING)]
 
 
 def _side_group(group: Any) -> Any:
@@ -42,15 +78,27 @@ def _side_group(group: Any) -> Any:
     return _side_groups[key]
 
 
-def _writer_for(url: str, storage_options: dict[str, Any] | None, options: dict[str, Any]) -> TurboWriter:
-    """One writer per run and settings, so its pool, plan cache and chunk index are reused."""
+def _writer_for(url: str, storage_options: dict[str, Any] | None,
+                options: dict[str, Any]) -> tuple[tuple, TurboWriter]:
+    """One writer per run and settings, so its pool and plan cache are reused; at most
+    MAX_WRITERS are kept, and an evicted one is closed once its save is durable."""
     run = url.rstrip("/").rsplit("/", 1)[0]
     key = (run, repr(sorted((storage_options or {}).items())), repr(sorted(options.items())))
     with _lock:
         writer = _writers.get(key)
-        if writer is None:
-            writer = _writers[key] = TurboWriter(url, storage_options, snapshot=True, **options)
-    return writer
+        if writer is not None:
+            _writers.move_to_end(key)
+            return key, writer
+        writer = _writers[key] = TurboWriter(url, storage_options, snapshot=True, **options)
+        while len(_writers) > MAX_WRITERS:
+            old_key, old = _writers.popitem(last=False)
+            handle = _inflight.get(old_key)
+            if handle is None or handle.done():
+                _inflight.pop(old_key, None)
+                old.close()
+            else:  # a later save to that run still waits for it (wait_previous)
+                handle.durable.add_done_callback(lambda _, w=old: w.close())
+    return key, writer
 
 
 def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
@@ -62,8 +110,8 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     A save started while the same writer's previous one is not durable waits for it
     (``wait_previous=False``: raise SaveInProgress instead).
     """
-    writer = _writer_for(str(url), storage_options, writer_options)
-    previous = _inflight.get(id(writer))
+    key, writer = _writer_for(str(url), storage_options, writer_options)
+    previous = _inflight.get(key)
     if previous is not None and not previous.done():
         if not wait_previous:
             raise SaveInProgress(f"the previous save to {previous.url} is not durable yet")
@@ -73,7 +121,7 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
             pass
     group = _side_group(process_group)
     handle = SaveHandle(str(url))
-    _inflight[id(writer)] = handle
+    _inflight[key] = handle
     started = time.monotonic()
 
     def staged() -> None:
@@ -84,15 +132,16 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
         writer.reset(str(url))
         writer.on_staged = staged
         try:
-            dcp.save(state_dict, storage_writer=writer, process_group=group, planner=planner)
+            with _single_process(group is None):
+                dcp.save(state_dict, storage_writer=writer, process_group=group,
+                         planner=planner, no_dist=group is None)
             stats = writer.last_stats
             summary = SaveSummary(
-                url=str(url), bytes_total=stats.get("bytes_written", 0) + stats.get("bytes_reused", 0),
-                bytes_staged=stats.get("bytes_staged", 0), bytes_written=stats.get("bytes_written", 0),
-                bytes_reused=stats.get("bytes_reused", 0), chunks_written=stats.get("chunks_written", 0),
-                chunks_reused=stats.get("chunks_reused", 0),
-                seconds={"stage": stats.get("seconds_stage", 0.0),
-                         "durable": time.monotonic() - started})
+                url=str(url), bytes_total=stats.bytes_written + stats.bytes_reused,
+                bytes_staged=stats.bytes_staged, bytes_written=stats.bytes_written,
+                bytes_reused=stats.bytes_reused, chunks_written=stats.chunks_written,
+                chunks_reused=stats.chunks_reused,
+                seconds={"stage": stats.seconds_stage, "durable": time.monotonic() - started})
             staged()
             handle.durable.set_result(summary)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
@@ -120,7 +169,9 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     check_fits(state_dict, manifest.items, str(url), strict)
     planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
     try:
-        dcp.load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
+        with _single_process(not dist.is_initialized()):
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                     planner=planner, no_dist=not dist.is_initialized())
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         inner = _unwrap(exc, str(url))
         if inner is exc:
@@ -131,20 +182,50 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
 def _unwrap(exc: BaseException, url: str = "") -> BaseException:
     """DCP wraps every rank's failure in a CheckpointException; surface ours directly.
 
-    A collective that fails because a peer died surfaces from torch.distributed as a bare
-    RuntimeError; it becomes a CommunicationError that says so.
+    The first of our own errors found in the exception, its causes, or the ranks' failures
+    is returned; failing that, an error raised by a torch.distributed collective (a peer
+    died or disconnected; gloo reports it as a plain RuntimeError) becomes a
+    CommunicationError that says so. Classified by type and origin, never by message.
     """
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for _, wrapped in sorted(failures.items()):
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(inner, CkptTurboError):
-                return inner
-    if isinstance(exc, RuntimeError) and dist.is_initialized() and any(
-            m in str(exc).lower() for m in ("connection", "gloo", "nccl", "timed out", "peer")):
-        return CommunicationError(f"a peer rank failed or disconnected during the checkpoint "
-                                  f"operation on {url}: {exc}")
+    found = list(_related(exc))
+    for candidate, _ in found:
+        if isinstance(candidate, CkptTurboError):
+            return candidate
+    for candidate, origin in found:
+        if isinstance(candidate, dist.DistError) or origin == _C10D_FILE:
+            error = CommunicationError(f"a peer rank failed or disconnected during the checkpoint "
+                                       f"operation on {url}: {candidate}")
+            error.__cause__ = candidate
+            return error
     return exc
+
+
+_C10D_FILE = distributed_c10d.__file__
+
+
+def _related(exc: BaseException) -> Iterator[tuple[BaseException, str | None]]:
+    """(exception, file of its innermost frame): exc, then (depth first) each rank's
+    failure and each cause or context, once each."""
+    seen: set[int] = set()
+    stack: list[tuple[BaseException, str | None]] = [(exc, _origin(exc))]
+    while stack:
+        current, origin = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current, origin
+        nested: list[tuple[BaseException, str | None]] = []
+        if isinstance(current, CheckpointException):
+            for _, wrapped in sorted(current.failures.items()):
+                inner, summary = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
+                nested.append((inner, summary[-1].filename if summary else _origin(inner)))
+        nested += [(e, _origin(e)) for e in (current.__cause__, current.__context__) if e is not None]
+        stack.extend(reversed(nested))
+
+
+def _origin(exc: BaseException) -> str | None:
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    return frames[-1][0].f_code.co_filename if frames else None
 
 
 def delete(url: str, *, storage_options: dict[str, Any] | None = None) -> None:

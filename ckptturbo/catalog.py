@@ -1,76 +1,84 @@
 """The checkpoints of a run: listing, deleting, and collecting unreferenced chunks safely.
 
 Why a save and a gc can run at the same time without losing data (the rule, also in
-docs/format.md): both announce themselves before they look at the other.
+docs/format.md): both announce themselves before they look at the other, and a save makes
+no dedup decision before it has announced itself.
 
-* A save writes ``.ckptturbo/pending/<save_id>`` and *then* waits while a fresh
-  ``.ckptturbo/gc.lock`` exists; it reads ``gc.generation`` and relists the chunk store
-  when the generation changed since its last save, so it never skips the upload of a
-  chunk a gc may have removed.
+* Each rank of a save first stages its bytes into host memory (no storage request), then
+  writes ``pending/<save id>.<rank>`` and *then* waits while a fresh ``gc.lock`` exists;
+  it reads ``gc.generation`` and relists the chunk store when the generation differs
+  from the one its chunk index was listed at. Only then does it decide which chunks
+  already exist (and skip their upload). The coordinator removes every rank's marker
+  after the manifest is written.
 * A gc writes ``gc.lock`` and *then* refuses to run while a fresh pending marker exists;
   it bumps ``gc.generation`` before deleting anything.
 
 With a strongly consistent store (local disks, S3 since 2020) at least one of the two sees
-the other's marker, so a chunk is never deleted while a save may still rely on it. Stale
+the other's marker: either the gc sees a rank's marker and stops, or the gc's lock was
+written before that marker, the rank waits until the gc is done, and the bumped
+generation makes it relist. Either way no chunk a save relies on is deleted while its
+marker stands, and once the marker goes the manifest names those chunks. Staging before
+the marker is safe because copying into host memory decides nothing about storage. Stale
 markers (a crashed save, a killed gc) expire after ``MARKER_TTL`` seconds.
 """
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import CheckpointNotFound, CkptTurboError, SaveInProgress
-from .layout import CONTROL_DIR, Location
+from .layout import CONTROL_DIR, MARKER_TTL, Location, Manifest, RunStore, marker_is_fresh, marker_record
 from .store import Store
 
 log = logging.getLogger(__name__)
 
-MARKER_TTL = 6 * 3600.0
 LOCK_WAIT = 600.0
-
-
-def _control(location: Location, *parts: str) -> str:
-    return location.chunk_store.join(posixpath.dirname(location.chunks_root), *parts)
+LOCK_POLL = 0.5
 
 
 def _fresh(store: Store, path: str, now: float) -> bool:
     try:
-        doc = json.loads(store.get(path))
-        return now - float(doc.get("time", 0)) < MARKER_TTL
-    except (CheckpointNotFound, ValueError, TypeError):
+        return marker_is_fresh(store.get(path), now)
+    except CheckpointNotFound:
         return False
 
 
-def begin_save(location: Location, save_id: str, wait: float = LOCK_WAIT) -> str:
-    """Announce a save, wait out a running gc, and return the store's gc generation."""
-    store = location.chunk_store
-    store.put(_control(location, "pending", save_id), json.dumps({"time": time.time()}).encode(),
-              durable=False)
-    lock = _control(location, "gc.lock")
+def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) -> str:
+    """Announce one rank of a save, wait out a running gc, and return the gc generation.
+
+    Called after staging and before the first dedup decision (see the module docstring).
+    """
+    store = run.store
+    store.put(run.pending_path(save_id, rank), marker_record(rank=rank), durable=False)
     deadline = time.monotonic() + wait
-    while store.exists(lock) and _fresh(store, lock, time.time()):
+    while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
-            end_save(location, save_id)
-            raise SaveInProgress(f"a gc of {location.chunks_root} held its lock for {wait}s")
-        time.sleep(0.5)
-    return _generation(location)
+            end_save(run, save_id, [rank])
+            raise SaveInProgress(f"a gc of {store.url_of(run.chunks_root)} held its lock for {wait}s")
+        time.sleep(LOCK_POLL)
+    return generation(run)
 
 
-def end_save(location: Location, save_id: str) -> None:
-    try:
-        location.chunk_store.delete([_control(location, "pending", save_id)])
+def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
+    """Remove the pending markers of these ranks of a save (absent ones are fine); a
+    failure is only logged: it must not fail a committed save."""
+    try:  # in parallel; every delete is attempted before the first failure is reported
+        run.store.delete([run.pending_path(save_id, rank) for rank in ranks])
     except CheckpointNotFound:
         pass
+    except CkptTurboError as exc:  # advisory: the save itself stands, the markers expire
+        log.warning("could not remove the pending markers of save %s (%s); gc of %s waits "
+                    "until they expire after %ss", save_id, exc, run.store.url_of(run.root), MARKER_TTL)
 
 
-def _generation(location: Location) -> str:
+def generation(run: RunStore) -> str:
+    """Changes whenever a gc may have deleted chunks ("0": no gc ever ran)."""
     try:
-        return location.chunk_store.get(_control(location, "gc.generation")).decode()
+        return run.store.get(run.gc_generation).decode()
     except CheckpointNotFound:
         return "0"
 
@@ -85,25 +93,24 @@ class CheckpointInfo:
     items: int
 
 
-def _run_store(run_url: str, storage_options: dict[str, Any] | None) -> Store:
-    return Store(run_url, storage_options)
-
-
-def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent."""
-    store = _run_store(run_url, storage_options)
-    found = []
+def _committed(run_url: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, Manifest]]:
+    """(url, manifest) of every committed checkpoint directly under a run, each read once."""
+    store = Store(run_url, storage_options)
     for path in store.list_dirs(store.root):
         name = posixpath.basename(path)
         if name == CONTROL_DIR:
             continue
         url = f"{run_url.rstrip('/')}/{name}"
         try:
-            manifest = Location(url, storage_options).read_manifest()
+            yield url, Location(url, storage_options).read_manifest()
         except CheckpointNotFound:
             continue
-        found.append(CheckpointInfo(name, url, manifest.created, manifest.total_bytes,
-                                    manifest.unique_bytes, len(manifest.items)))
+
+
+def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent."""
+    found = [CheckpointInfo(posixpath.basename(url), url, m.created, m.total_bytes, m.unique_bytes,
+                            len(m.items)) for url, m in _committed(run_url, storage_options)]
     return sorted(found, key=lambda c: (c.created, c.name))
 
 
@@ -126,25 +133,23 @@ class GcReport:
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     dry_run: bool = False, grace_seconds: float = 0.0) -> GcReport:
     """Delete chunks of the run's store that no committed checkpoint of the run names."""
-    probe = Location(f"{run_url.rstrip('/')}/{CONTROL_DIR}-gc", storage_options)
-    store = probe.chunk_store
-    lock = _control(probe, "gc.lock")
+    run = RunStore.for_run(run_url, storage_options)
+    store = run.store
     now = time.time()
     if not dry_run:
-        store.put(lock, json.dumps({"time": now, "id": uuid.uuid4().hex}).encode())
+        store.put(run.gc_lock, marker_record(id=uuid.uuid4().hex))
     try:
-        pending = store.list_files(_control(probe, "pending"))
-        live = [p.path for p in pending if _fresh(store, p.path, now)]
+        live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
         if live and not dry_run:
             raise SaveInProgress(f"{len(live)} save(s) in progress under {run_url}; "
                                  "run gc again when they are committed")
         if not dry_run:
-            store.put(_control(probe, "gc.generation"), uuid.uuid4().hex.encode())
+            store.put(run.gc_generation, uuid.uuid4().hex.encode())
         referenced: set[str] = set()
-        for ckpt in list_checkpoints(run_url, storage_options):
-            referenced.update(Location(ckpt.url, storage_options).read_manifest().chunks)
+        for _, manifest in _committed(run_url, storage_options):
+            referenced.update(manifest.chunks)
         doomed, kept_recent, doomed_bytes = [], 0, 0
-        for info in store.list_files(probe.chunks_root):
+        for info in store.list_files(run.chunks_root):
             cid = info.path.rsplit("/", 1)[-1]
             if cid in referenced:
                 continue
@@ -161,7 +166,6 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
     finally:
         if not dry_run:
             try:
-                store.delete([lock])
+                store.delete([run.gc_lock])
             except CkptTurboError:
-                log.warning("could not remove %s; it expires after %ss", lock, MARKER_TTL)
-
+                log.warning("could not remove %s; it expires after %ss", run.gc_lock, MARKER_TTL)

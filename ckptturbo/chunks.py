@@ -5,13 +5,14 @@ A chunk is an immutable object named by the BLAKE3 hash of its bytes, so identic
 shards are cut at multiples of ``chunk_size`` from the shard's start, so whoever writes a
 range of a replicated tensor produces exactly the chunks anyone else would have. Small
 pieces are packed together into one chunk, because an object store charges a round trip
-per object and a model has thousands of small tensors.
+per object and a model has thousands of small tensors. Where chunks live in storage (the
+fan-out) and how manifests name their bytes is the storage contract, in ``layout``.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import blake3
 
@@ -33,12 +34,6 @@ def validate_chunk_id(value: str) -> str:
     if not isinstance(value, str) or not CHUNK_ID_RE.match(value):
         raise FormatError(f"invalid chunk id {value!r}: expected 64 lowercase hex digits")
     return value
-
-
-def chunk_relpath(cid: str) -> str:
-    """Where a chunk lives under the chunk store root (two-level fan-out)."""
-    validate_chunk_id(cid)
-    return f"{cid[:2]}/{cid}"
 
 
 def cut(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -102,26 +97,3 @@ def layout_chunks(ranges: Iterable[tuple[int, int, int]], chunk_size: int,
     if pack:
         out.append(ChunkLayout(tuple(pack)))
     return out
-
-
-@dataclass(frozen=True)
-class StoredPiece:
-    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it."""
-
-    start: int
-    length: int
-    chunk: str
-    offset: int
-
-    def to_json(self) -> list:
-        return [self.start, self.length, self.chunk, self.offset]
-
-    @classmethod
-    def from_json(cls, raw: Sequence) -> "StoredPiece":
-        if not isinstance(raw, (list, tuple)) or len(raw) != 4:
-            raise FormatError(f"malformed piece record {raw!r}")
-        start, length, cid, offset = raw
-        for v in (start, length, offset):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise FormatError(f"malformed piece record {raw!r}: negative or non-integer")
-        return cls(start, length, validate_chunk_id(cid), offset)

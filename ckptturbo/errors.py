@@ -47,6 +47,10 @@ class SaveInProgress(CkptTurboError):
     """A new save was started while the writer's previous save is not yet durable."""
 
 
+class ReplicaMismatchError(CkptTurboError):
+    """Ranks that DCP treats as replicas of an item hold different bytes."""
+
+
 __all__ = [
     "CkptTurboError",
     "StorageError",
@@ -58,4 +62,5 @@ __all__ = [
     "PlanError",
     "CommunicationError",
     "SaveInProgress",
+    "ReplicaMismatchError",
 ]

@@ -1,11 +1,17 @@
-"""What lies in storage, and the manifest that makes a checkpoint exist.
+"""The storage contract: every path and record ckptturbo puts in storage, in one place.
 
-    <run>/.ckptturbo/chunks/<2 hex>/<64 hex>   content-addressed chunks, shared by the run
-    <run>/<checkpoint>/manifest.json           JSON, written last: the commit
+    <run>/.ckptturbo/chunks/<2 hex>/<64 hex>        content-addressed chunks, shared by the run
+    <run>/.ckptturbo/pending/<save id>.<rank>       a rank of a save in progress (removed at commit)
+    <run>/.ckptturbo/gc.lock                        a gc in progress
+    <run>/.ckptturbo/gc.generation                  changes whenever a gc may delete chunks
+    <run>/<checkpoint>/manifest.json                JSON, written last: the commit
 
-The manifest carries everything DCP's ``Metadata`` carries (tensor shapes, dtypes, shard
-boxes, planner data), so the reader rebuilds Metadata from JSON and nothing from storage
-is ever unpickled. Every field is validated on the way in: a manifest may be hostile.
+``FORMAT_VERSION`` versions the manifest; ``CONTROL_VERSION`` the chunk fan-out and the
+control records. The manifest carries everything DCP's ``Metadata`` carries (tensor
+shapes, dtypes, shard boxes, planner data), so the reader rebuilds Metadata from JSON and
+nothing from storage is ever unpickled. Every field is validated on the way in: a
+manifest may be hostile. ``build_manifest`` (pure) turns DCP's Metadata and the ranks'
+write results into a manifest; ``catalog`` does the I/O on the control paths.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import logging
 import posixpath
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -27,8 +33,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .chunks import StoredPiece, chunk_id, chunk_relpath, validate_chunk_id
-from .errors import CheckpointNotFound, FormatError
+from .chunks import chunk_id, validate_chunk_id
+from .errors import CheckpointNotFound, FormatError, StorageError
 from .store import Store
 
 FORMAT_NAME = "ckptturbo-manifest"
@@ -37,13 +43,60 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 CHECKSUM_FIELD = "blake3"
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 30
+CONTROL_VERSION = 1  # chunk fan-out, pending markers, gc lock and generation
 CONTROL_DIR = ".ckptturbo"
 CHUNKS_DIR = f"{CONTROL_DIR}/chunks"
-MAX_MANIFEST_BYTES = 1 << 30
+PENDING_DIR = f"{CONTROL_DIR}/pending"
+GC_LOCK = f"{CONTROL_DIR}/gc.lock"
+GC_GENERATION = f"{CONTROL_DIR}/gc.generation"
+MARKER_TTL = 6 * 3600.0  # older markers are a crashed save or a killed gc: ignored
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def chunk_relpath(cid: str) -> str:
+    """Where a chunk lives under the chunks root (two-level fan-out)."""
+    validate_chunk_id(cid)
+    return f"{cid[:2]}/{cid}"
+
+
+def marker_record(**fields: Any) -> bytes:
+    """A pending marker or gc lock: when it was written (for expiry), and by whom."""
+    return json.dumps({"version": CONTROL_VERSION, "time": time.time(), **fields}).encode()
+
+
+def marker_is_fresh(data: bytes, now: float) -> bool:
+    """Younger than MARKER_TTL; an unreadable marker counts as stale (expired)."""
+    try:
+        return now - float(json.loads(data).get("time", 0)) < MARKER_TTL
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class StoredPiece:
+    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it."""
+
+    start: int
+    length: int
+    chunk: str
+    offset: int
+
+    def to_json(self) -> list:
+        return [self.start, self.length, self.chunk, self.offset]
+
+    @classmethod
+    def from_json(cls, raw: Sequence) -> "StoredPiece":
+        if not isinstance(raw, (list, tuple)) or len(raw) != 4:
+            raise FormatError(f"malformed piece record {raw!r}")
+        start, length, cid, offset = raw
+        for v in (start, length, offset):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise FormatError(f"malformed piece record {raw!r}: negative or non-integer")
+        return cls(start, length, validate_chunk_id(cid), offset)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -222,6 +275,35 @@ class Manifest:
         return sum(self.chunks.values())
 
 
+class RunStore:
+    """A run's chunk store and its control files: the paths a save and a gc share."""
+
+    def __init__(self, store: Store, root: str) -> None:
+        self.store = store
+        self.root = root.rstrip("/") or "/"
+        self.chunks_root = store.join(self.root, CHUNKS_DIR)
+        self.pending_dir = store.join(self.root, PENDING_DIR)
+        self.gc_lock = store.join(self.root, GC_LOCK)
+        self.gc_generation = store.join(self.root, GC_GENERATION)
+
+    @classmethod
+    def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None) -> "RunStore":
+        """The chunk store of the run at ``run_url`` (the parent of its checkpoints)."""
+        store = Store(run_url, storage_options)
+        return cls(store, store.root)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Names this store across writers: its URL and the options that reach it."""
+        return (self.store.url_of(self.chunks_root), repr(sorted(self.store.storage_options.items())))
+
+    def chunk_path(self, cid: str) -> str:
+        return self.store.join(self.chunks_root, chunk_relpath(cid))
+
+    def pending_path(self, save_id: str, rank: int) -> str:
+        return self.store.join(self.pending_dir, f"{save_id}.{rank}")
+
+
 class Location:
     """Where one checkpoint's manifest and its run's chunk store are."""
 
@@ -237,13 +319,13 @@ class Location:
                               "prefix to hold the chunk store, e.g. s3://bucket/run/step-100")
         self.manifest_path = self.store.join(self.path, MANIFEST_NAME)
         if store_url is None:
-            self.chunk_store = self.store
+            self.run = RunStore(self.store, parent)
             self.chunk_store_ref = ".."
-            self.chunks_root = self.store.join(parent, CHUNKS_DIR)
         else:
-            self.chunk_store = Store(store_url, storage_options)
+            self.run = RunStore.for_run(store_url, storage_options)
             self.chunk_store_ref = str(store_url)
-            self.chunks_root = self.chunk_store.join(self.chunk_store.root, CHUNKS_DIR)
+        self.chunk_store = self.run.store
+        self.chunks_root = self.run.chunks_root
 
     @classmethod
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
@@ -253,7 +335,7 @@ class Location:
         return cls(url, storage_options, store_url)
 
     def chunk_path(self, cid: str) -> str:
-        return self.chunk_store.join(self.chunks_root, chunk_relpath(cid))
+        return self.run.chunk_path(cid)
 
     def read_manifest(self) -> Manifest:
         try:
@@ -306,6 +388,63 @@ def _typed(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], default
     if not isinstance(value, kind) or isinstance(value, bool):
         raise FormatError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
     return value
+
+
+@dataclass
+class ShardPart:
+    """What one rank stored of one shard: a DCP WriteResult's ``storage_data``."""
+
+    kind: str
+    nbytes: int
+    pieces: list[StoredPiece]
+    chunk_sizes: dict[str, int]
+    written: int = 0
+    reused: int = 0
+    fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaPrint:
+    """A replica a rank holds but did not write: only its fingerprint, for the replica check."""
+
+    fingerprint: str
+
+
+def build_manifest(metadata: Metadata, parts: dict[MetadataIndex, list[ShardPart]], *,
+                   url: str, save_id: str, chunk_store_ref: str, world_size: int) -> Manifest:
+    """The manifest of a save, from DCP's Metadata and what every rank stored (pure)."""
+    chunks: dict[str, int] = {}
+    items: dict[str, ItemRecord] = {}
+    written = reused = 0
+    for fqn, md in metadata.state_dict_metadata.items():
+        is_bytes = isinstance(md, BytesStorageMetadata)
+        boxes = [((), ())] if is_bytes else [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        shards = []
+        for offsets, sizes in boxes:
+            index = MetadataIndex(fqn) if is_bytes else MetadataIndex(fqn, offsets)
+            shard, w, r = _merge(parts.get(index, []), fqn, offsets, sizes, chunks)
+            shards.append(shard)
+            written, reused = written + w, reused + r
+        items[fqn] = ItemRecord("bytes", shards) if is_bytes else ItemRecord(
+            "tensor", shards, md.properties.dtype, tuple(md.size), bool(md.properties.requires_grad))
+    return Manifest(
+        items=items, chunks=chunks, planner_data=metadata.planner_data,
+        storage_meta={"checkpoint_id": url, "save_id": save_id},
+        stats={"bytes_written": written, "bytes_reused": reused, "world_size": world_size},
+        chunk_store=chunk_store_ref, dcp_version=metadata.version)
+
+
+def _merge(plist: list[ShardPart], fqn: str, offsets: tuple, sizes: tuple,
+           chunks: dict[str, int]) -> tuple[ShardRecord, int, int]:
+    """One shard from the parts its writers stored; the pieces must tile it exactly."""
+    if not plist:
+        raise StorageError(f"no rank wrote {fqn!r} at offset {offsets}: the save is incomplete")
+    pieces = sorted((piece for p in plist for piece in p.pieces), key=lambda p: p.start)
+    for p in plist:
+        chunks.update(p.chunk_sizes)
+    record = ShardRecord(offsets, sizes, plist[0].nbytes, pieces)
+    record.check(fqn)
+    return record, sum(p.written for p in plist), sum(p.reused for p in plist)
 
 
 def _ints(values: Any, where: str) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import catalog
+from ckptturbo import catalog, chunk_index
 from ckptturbo.layout import Location
 from distributed import run_distributed
 
@@ -64,9 +64,11 @@ def test_save_waits_for_running_gc_then_relists(tmp_path):
     lock.write_text(json.dumps({"time": time.time()}))  # a gc is "running"
     catalog.collect_garbage(str(run), dry_run=True)
     writer = ct.TurboWriter(str(run / "b"), pack_threshold=1024)
-    # the writer's chunk index predates the gc: it believes every chunk of "a" exists
-    writer._known = {p.name for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()}
-    writer._known_generation = "0"
+    # the run's chunk index (kept across writers) predates the gc: it believes every
+    # chunk of "a" exists
+    index = chunk_index.index_for(writer.location.run)
+    stored = {p.name for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()}
+    assert stored and all(cid in index for cid in stored) and index.generation == "0"
     done = threading.Event()
 
     def save() -> None:
@@ -104,3 +106,82 @@ def test_plan_is_cached_across_saves_of_the_same_layout(tmp_path):
     assert load_equal(str(tmp_path / "run" / "b"), sd)
     manifest = Location(str(tmp_path / "run" / "b")).read_manifest()
     assert manifest.stats["bytes_written"] == 0  # identical content: all chunks reused
+
+
+def _hold_gc_lock(run):
+    lock = run / ".ckptturbo" / "gc.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(json.dumps({"time": time.time()}))  # a gc is "running"
+    return lock
+
+
+def test_gc_lock_delays_durable_but_not_staged(tmp_path):
+    run = tmp_path / "run"
+    sd = tensors(4)
+    ct.save(sd, str(run / "a")).wait(timeout=60)
+    lock = _hold_gc_lock(run)
+    handle = ct.save(sd, str(run / "b"))
+    handle.staged.result(timeout=20)  # the copy does not wait for the gc
+    time.sleep(1.0)
+    assert not handle.durable.done()  # the uploads and the commit do
+    assert [p.name for p in (run / ".ckptturbo" / "pending").iterdir()]  # announced itself
+    lock.unlink()
+    handle.wait(timeout=60)
+    assert load_equal(str(run / "b"), sd)
+    assert not list((run / ".ckptturbo" / "pending").iterdir())  # the commit cleared it
+
+
+def test_gc_lock_delays_dcp_async_save_upload_but_not_staging(tmp_path):
+    run = tmp_path / "run"
+    sd = tensors(5)
+    lock = _hold_gc_lock(run)
+    response = dcp.async_save(sd, storage_writer=ct.TurboWriter(str(run / "a")))
+    response.staging_completion.result(timeout=20)
+    time.sleep(1.0)
+    assert not response.upload_completion.done()
+    lock.unlink()
+    response.upload_completion.result(timeout=60)
+    assert load_equal(str(run / "a"), sd)
+
+
+def test_fresh_writers_share_the_run_chunk_index_until_a_gc(tmp_path):
+    run = tmp_path / "run"
+    sd = tensors(6)
+    for name in ("a", "b"):  # the documented pattern: a new TurboWriter per dcp.save
+        dcp.save(sd, storage_writer=ct.TurboWriter(str(run / name)))
+    index = chunk_index.index_for(ct.TurboWriter(str(run / "c")).location.run)
+    assert index.listings == 1
+    catalog.collect_garbage(str(run))  # a new gc generation: the next save relists
+    dcp.save(sd, storage_writer=ct.TurboWriter(str(run / "c")))
+    assert index.listings == 2
+    assert Location(str(run / "c")).read_manifest().stats["bytes_written"] == 0
+    assert load_equal(str(run / "c"), sd)
+
+
+def _save_once(rank: int, world: int, url: str) -> None:
+    dcp.save(tensors(7), storage_writer=ct.TurboWriter(url))
+
+
+def test_every_rank_announces_and_the_commit_clears_all_markers(tmp_path):
+    run = tmp_path / "run"
+    lock = _hold_gc_lock(run)
+    pending = run / ".ckptturbo" / "pending"
+    done = threading.Event()
+
+    def save() -> None:
+        run_distributed(_save_once, 2, str(run / "a"), timeout=240)
+        done.set()
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(pending.glob("*"))) < 2:
+        time.sleep(0.2)
+    names = sorted(p.name for p in pending.glob("*"))
+    assert len(names) == 2 and {n.rsplit(".", 1)[1] for n in names} == {"0", "1"}, names
+    assert len({n.rsplit(".", 1)[0] for n in names}) == 1  # one save id, one marker per rank
+    assert not done.is_set()
+    lock.unlink()
+    thread.join(240)
+    assert done.is_set() and not list(pending.glob("*"))
+    assert load_equal(str(run / "a"), tensors(7))

@@ -1,0 +1,71 @@
+"""Which chunks a run's store already holds, kept per process across writers.
+
+The documented pattern builds a fresh ``TurboWriter`` for every ``dcp.save``; listing a
+large store for each of them would cost more than the save. So the index lives here, one
+per chunk store (keyed by its URL and options), and is relisted only when the store's gc
+generation changes (a gc may have deleted chunks; see ``catalog``). Chunks this process
+uploads are added as they land. The registry is bounded: the least recently used index
+is dropped (it is only a cache: a dropped index is relisted when needed).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+from .layout import RunStore
+
+log = logging.getLogger(__name__)
+
+MAX_STORES = 8
+
+
+class ChunkIndex:
+    """The chunk ids of one store, as listed at ``generation`` plus what was added since."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+        self.generation: str | None = None
+        self.listings = 0  # how many times the store was listed (observable in tests)
+
+    def sync(self, run: RunStore, generation: str) -> None:
+        """Relist the store unless the index was listed at this gc generation already."""
+        with self._lock:
+            if generation == self.generation:
+                return
+            listed = run.store.list_files(run.chunks_root)
+            self._known = {info.path.rsplit("/", 1)[-1] for info in listed}
+            self.generation = generation
+            self.listings += 1
+            log.debug("listed %d chunks of %s at gc generation %s", len(self._known),
+                      run.store.url_of(run.chunks_root), generation)
+
+    @property
+    def listed(self) -> bool:
+        return self.generation is not None
+
+    def __contains__(self, cid: str) -> bool:
+        with self._lock:
+            return cid in self._known
+
+    def add(self, cid: str) -> None:
+        with self._lock:
+            self._known.add(cid)
+
+
+_indexes: collections.OrderedDict[tuple[str, str], ChunkIndex] = collections.OrderedDict()
+_registry_lock = threading.Lock()
+
+
+def index_for(run: RunStore) -> ChunkIndex:
+    """The process-wide index of this run's chunk store (created empty, unlisted)."""
+    with _registry_lock:
+        index = _indexes.get(run.key)
+        if index is None:
+            index = _indexes[run.key] = ChunkIndex()
+            while len(_indexes) > MAX_STORES:
+                _indexes.popitem(last=False)
+        else:
+            _indexes.move_to_end(run.key)
+        return index

@@ -1,0 +1,347 @@
+"""The save pipeline of one rank: stage -> announce -> hash -> dedup -> put.
+
+Training waits only for the first step. ``Upload.run`` copies every chunk this rank
+writes into the host pool and calls ``on_staged``; nothing before that touches storage.
+Then it announces the save (``catalog.begin_save``: pending marker, gc-lock wait, gc
+generation), brings the run's chunk index up to that generation, and only then hashes
+each chunk, skips those the store already holds and uploads the rest on the store's I/O
+pool. A pool smaller than the state stages in waves: when it is full, the uploads that
+free it must start, so the announcement happens then (staging cannot finish without it).
+Results are typed: one ``ShardPart`` per entry and a ``SaveStats``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import catalog, replicas
+from .chunk_index import ChunkIndex, index_for
+from .chunks import ChunkLayout, chunk_id, layout_chunks
+from .layout import ReplicaPrint, RunStore, ShardPart, StoredPiece
+from .save_plan import Assignment
+from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
+
+
+@dataclass
+class Entry:
+    """One item this rank writes: its bytes, the ranges of them it owns, and where they went."""
+
+    index: MetadataIndex
+    flat: torch.Tensor  # uint8 view of the item's bytes (device may be cuda)
+    ranges: list[tuple[int, int]]
+    kind: str
+    fingerprint: str | None = None
+    pieces: list[StoredPiece] = field(default_factory=list)
+    written: int = 0
+    reused: int = 0
+
+
+@dataclass(frozen=True)
+class SaveStats(Mapping):
+    """What one rank's save did; also readable as a mapping (``stats["bytes_written"]``)."""
+
+    bytes_staged: int = 0
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    chunks_written: int = 0
+    chunks_reused: int = 0
+    seconds_stage: float = 0.0
+    seconds_upload: float = 0.0  # from the start of staging to the last upload
+    seconds_write: float = 0.0  # all of write_data (set by the writer)
+
+    def __getitem__(self, key: str) -> float:
+        if key not in _STAT_NAMES:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STAT_NAMES)
+
+    def __len__(self) -> int:
+        return len(_STAT_NAMES)
+
+
+_STAT_NAMES = tuple(f.name for f in dataclasses.fields(SaveStats))
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """One chunk's bytes, ready to hash: a pool buffer (or a zero-copy view of the source)."""
+
+    layout: ChunkLayout
+    view: torch.Tensor
+    buf: HostBuffer | None = None
+    pool: HostBufferPool | None = None
+    event: Any = None
+
+    def release(self) -> None:
+        if self.buf is not None:
+            self.pool.release(self.buf)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    layout: ChunkLayout
+    cid: str
+    new: bool
+
+
+def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | None,
+                 replica_check: str) -> tuple[list[Entry], list[WriteResult]]:
+    """The entries this rank writes, plus fingerprint-only results for the replicas it
+    holds but does not write (the coordinator compares them)."""
+    entries: list[Entry] = []
+    prints: list[WriteResult] = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item).getvalue()
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+                torch.empty(0, dtype=torch.uint8)
+            entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
+            continue
+        flat = tensor_bytes(planner.resolve_data(item))
+        fp = None
+        if assignment is not None and item.index in assignment.replicated:
+            fp = replicas.fingerprint(flat, replica_check)
+        ranges = [(0, flat.numel())] if assignment is None else list(assignment.ranges.get(item.index, ()))
+        if ranges:
+            entries.append(Entry(item.index, flat, ranges, "tensor", fp))
+        elif fp is not None:
+            prints.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=ReplicaPrint(fp)))
+    return entries, prints
+
+
+def write_results(entries: list[Entry], sizes: dict[str, int]) -> list[WriteResult]:
+    """DCP's WriteResults, each carrying this rank's ShardPart of the item."""
+    out = []
+    for e in entries:
+        part = ShardPart(e.kind, e.flat.numel(), e.pieces, {p.chunk: sizes[p.chunk] for p in e.pieces},
+                         e.written, e.reused, e.fingerprint)
+        out.append(WriteResult(index=e.index, size_in_bytes=sum(p.length for p in e.pieces),
+                               storage_data=part))
+    return out
+
+
+class Upload:
+    """One rank's part of one save; ``run`` may be called once."""
+
+    def __init__(self, run: RunStore, save_id: str, rank: int, *,
+                 pool_for: Callable[[int], HostBufferPool], copier: DeviceCopier,
+                 chunk_size: int, pack_threshold: int, snapshot: bool,
+                 on_staged: Callable[[], None] | None = None) -> None:
+        self.run_store = run
+        self.save_id = save_id
+        self.rank = rank
+        self.pool_for = pool_for
+        self.copier = copier
+        self.chunk_size = chunk_size
+        self.pack_threshold = pack_threshold
+        self.snapshot = snapshot
+        self.on_staged = on_staged
+        self.chunk_sizes: dict[str, int] = {}
+        self._index: ChunkIndex | None = None
+        self._inflight: dict[str, Future] = {}
+        self._waiting: list[_Staged] = []  # staged, not yet handed to the I/O pool
+        self._futures: list[tuple[ChunkLayout, Future]] = []
+
+    def run(self, entries: list[Entry]) -> SaveStats:
+        """Stage, announce, then hash/dedup/upload every chunk; fills each entry's pieces."""
+        started = time.monotonic()
+        try:
+            staged_bytes = self._stage(entries)
+            staged_at = time.monotonic()
+            if self.on_staged is not None:  # every byte is in host memory: training may go on
+                self.on_staged()
+            self._submit_waiting()
+            stored = self._collect()
+        except BaseException:
+            self._release_waiting()
+            if self._index is not None:  # no manifest will follow: the marker may go now
+                catalog.end_save(self.run_store, self.save_id, [self.rank])
+            raise
+        new = [s for s in stored if s.new]
+        for s in stored:
+            owner = entries[s.layout.pieces[0].key]
+            if s.new:
+                owner.written += s.layout.nbytes
+            else:
+                owner.reused += s.layout.nbytes
+            offset = 0
+            for p in s.layout.pieces:
+                entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, s.cid, offset))
+                offset += p.nbytes
+        for entry in entries:
+            entry.pieces.sort(key=lambda p: p.start)
+        written = sum(s.layout.nbytes for s in new)
+        done = time.monotonic()
+        return SaveStats(bytes_staged=staged_bytes, bytes_written=written,
+                         bytes_reused=sum(s.layout.nbytes for s in stored) - written,
+                         chunks_written=len(new), chunks_reused=len(stored) - len(new),
+                         seconds_stage=staged_at - started, seconds_upload=done - started)
+
+    # --- stage: copies only, no storage request -------------------------------------
+    def _stage(self, entries: list[Entry]) -> int:
+        layouts = layout_chunks(
+            [(i, s, e) for i, entry in enumerate(entries) for s, e in entry.ranges if e > s],
+            self.chunk_size, self.pack_threshold)
+        share = sum(lay.nbytes for lay in layouts)
+        staged_bytes = 0
+        events: list[Any] = []  # of every wave: staged means all copies are complete
+        for lay in layouts:
+            first = lay.pieces[0]
+            source = entries[first.key].flat
+            if len(lay.pieces) == 1 and source.device.type == "cpu" and not self.snapshot:
+                self._waiting.append(_Staged(lay, source[first.start:first.end]))
+                continue
+            pool = self.pool_for(share)
+            try:
+                buf = pool.acquire(lay.nbytes, timeout=0)
+            except TimeoutError:  # the pool is full: only uploads can free it (waves)
+                self._submit_waiting()
+                buf = pool.acquire(lay.nbytes)
+            view, pos, event = buf.tensor, 0, None
+            for p in lay.pieces:
+                event = self.copier.copy(view[pos:pos + p.nbytes],
+                                         entries[p.key].flat[p.start:p.end]) or event
+                pos += p.nbytes
+            staged_bytes += lay.nbytes
+            events.append(event)
+            self._waiting.append(_Staged(lay, view, buf, pool, event))
+        for event in events:
+            DeviceCopier.wait(event)
+        return staged_bytes
+
+    # --- announce, then hash -> dedup -> put ----------------------------------------
+    def _announce(self) -> ChunkIndex:
+        """Pending marker, gc-lock wait, gc generation, chunk index at that generation."""
+        if self._index is None:
+            index = index_for(self.run_store)
+            if not index.listed:  # first contact with this store: fail fast and clearly
+                self.run_store.store.check_reachable()
+            self._index = index  # set first: a failure below must remove the marker
+            index.sync(self.run_store, catalog.begin_save(self.run_store, self.save_id, self.rank))
+        return self._index
+
+    def _submit_waiting(self) -> None:
+        if not self._waiting:
+            return
+        index = self._announce()
+        store = self.run_store.store
+        for s in self._waiting:
+            self._futures.append((s.layout, store.submit(self._hash_and_put, s, index)))
+        self._waiting.clear()
+
+    def _release_waiting(self) -> None:
+        for s in self._waiting:
+            s.release()
+        self._waiting.clear()
+
+    def _collect(self) -> list[_Stored]:
+        """Every upload's outcome; all are drained before the first failure is raised."""
+        out, first_error = [], None
+        for lay, fut in self._futures:
+            try:
+                cid, new = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
+                first_error = first_error or exc
+                continue
+            self.chunk_sizes[cid] = lay.nbytes
+            out.append(_Stored(lay, cid, new))
+        if first_error is not None:
+            raise first_error
+        return out
+
+    def _hash_and_put(self, staged: _Staged, index: ChunkIndex) -> tuple[str, bool]:
+        try:
+            DeviceCopier.wait(staged.event)
+            data = staged.view.numpy()
+            cid = chunk_id(data)
+            if cid in index:
+                return cid, False
+            mine: Future = Future()
+            other = self._inflight.setdefault(cid, mine)
+            if other is not mine:  # the same bytes are being uploaded by another task
+                other.result()
+                return cid, False
+            try:
+                self.run_store.store.put(self.run_store.chunk_path(cid), memoryview(data))
+                index.add(cid)
+                mine.set_result(True)
+            except BaseException as exc:
+                mine.set_exception(exc)
+                raise
+            return cid, True
+        finally:
+            staged.release()
+
+
+# --- dcp.async_save: stage a whole state dict into pool-backed tensors -------------------
+def stage_state_dict(state_dict: dict[str, Any], pool_for: Callable[[int], HostBufferPool],
+                     copier: DeviceCopier) -> tuple[dict[str, Any], list[HostBuffer]]:
+    """A copy of the state whose tensors live in the pool (or in one-off host tensors when
+    the pool has no room), and the pool buffers to release once the copy is written."""
+    pool = pool_for(_tree_tensor_bytes(state_dict))
+    events: list[Any] = []
+    buffers: list[HostBuffer] = []
+
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        flat = tensor_bytes(t)
+        n = flat.numel()
+        buf = None
+        if 0 < n <= pool.capacity - pool.in_use:
+            try:
+                buf = pool.acquire(n, timeout=0)
+            except TimeoutError:
+                buf = None  # fragmented: fall back to a one-off allocation
+        if buf is not None:
+            buffers.append(buf)
+            host = buf.tensor
+        else:  # bigger than what is left of the pool: a one-off allocation, freed after use
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=pool.pin and n > 0)
+        events.append(copier.copy(host, flat))
+        return host.view(t.dtype).reshape(t.shape)
+
+    staged = _map_tensors(state_dict, stage)
+    for event in events:
+        DeviceCopier.wait(event)
+    return staged, buffers
+
+
+def _tree_tensor_bytes(obj: Any) -> int:
+    total = 0
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    _map_tensors(obj, add)
+    return total
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Rebuild containers with every tensor (DTensor: its local shard) passed through fn."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        local = fn(obj.to_local())
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    return obj

@@ -1,0 +1,95 @@
+"""The save side's own contracts: staging needs no storage, typed results, clear errors,
+bounded writer reuse, and no DCP single-process warning from ct.save / ct.load."""
+from __future__ import annotations
+
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+import ckptturbo as ct
+from ckptturbo import api
+from ckptturbo.upload import SaveStats
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(128, 1024, generator=g) for i in range(4)}
+
+
+def test_staged_needs_no_storage_request():
+    """An endpoint nobody listens on: the copy completes, the upload then fails clearly."""
+    dead = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+    handle = ct.save(state(1), "s3://bucket/run/a", storage_options=dead)
+    handle.staged.result(timeout=30)
+    with pytest.raises(ct.StorageError, match="127.0.0.1:9"):
+        handle.wait(timeout=120)
+
+
+def test_last_stats_is_typed_and_reads_as_a_mapping(tmp_path):
+    sd = state(2)
+    writer = ct.TurboWriter(str(tmp_path / "run" / "a"))
+    dcp.save(sd, storage_writer=writer)
+    stats = writer.last_stats
+    assert isinstance(stats, SaveStats)
+    nbytes = sum(v.numel() * 4 for v in sd.values())
+    assert stats.bytes_written == stats["bytes_written"] == nbytes
+    assert dict(stats)["chunks_reused"] == 0 and set(stats) >= {"bytes_reused", "seconds_write"}
+    writer.reset(str(tmp_path / "run" / "b"))
+    dcp.save(sd, storage_writer=writer)
+    assert writer.last_stats.bytes_written == 0 and writer.last_stats.bytes_reused == nbytes
+
+
+def test_ct_save_and_load_without_a_group_do_not_warn(tmp_path):
+    assert not dist.is_initialized()
+    sd = state(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ct.save(sd, str(tmp_path / "run" / "a")).wait(timeout=60)
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        ct.load(out, str(tmp_path / "run" / "a"))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    noisy = [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)]
+    assert not noisy, noisy
+
+
+def test_writers_kept_by_ct_save_are_bounded_and_evicted_ones_closed(tmp_path):
+    sd = state(4)
+    first_key = None
+    for i in range(api.MAX_WRITERS + 2):
+        ct.save(sd, str(tmp_path / f"run{i}" / "a")).wait(timeout=60)
+        if first_key is None:
+            first_key = next(k for k in api._writers if k[0] == str(tmp_path / "run0"))
+            first = api._writers[first_key]
+    assert len(api._writers) <= api.MAX_WRITERS
+    assert first_key not in api._writers and first._pool is None  # closed: pool released
+
+
+def test_unwrap_finds_our_errors_by_type_not_message():
+    ours = ct.IntegrityError("chunk abc of 'w' does not match its id")
+    wrapped = CheckpointException("save failed", {1: _wrap_exception(ours)})
+    assert api._unwrap(wrapped, "u") is ours
+    try:
+        try:
+            raise ours
+        except ct.IntegrityError as exc:
+            raise RuntimeError("gloo connection closed") from exc  # message is irrelevant
+    except RuntimeError as outer:
+        assert api._unwrap(outer, "u") is ours
+    peer = dist.DistNetworkError("anything")
+    comm = api._unwrap(CheckpointException("load failed", {0: _wrap_exception(peer)}), "s3://x")
+    assert isinstance(comm, ct.CommunicationError) and "s3://x" in str(comm)
+    plain = RuntimeError("connection reset by peer")  # a message alone classifies nothing
+    assert api._unwrap(plain, "u") is plain
+    # gloo reports a dead peer as a plain RuntimeError raised inside a c10d collective; a
+    # failure gathered from another rank keeps only its stack summary
+    gloo = RuntimeError("Read error")
+    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather", None)])
+    comm = api._unwrap(CheckpointException("load failed", {2: (gloo, stack)}), "u")
+    assert isinstance(comm, ct.CommunicationError) and comm.__cause__ is gloo
