@@ -117,6 +117,10 @@ class ReadOnce:
         if read is not None:
             self.prefetcher.release(read)
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop before the next batch and wait (up to ``timeout``) for the thread to end."""
         self._closed = True
