@@ -152,7 +152,15 @@ class DeviceCopier:
         """Pinned host memory :meth:`to_device` holds (allocated on first use)."""
         return self.ring_piece * self.ring_buffers
 
+    @staticmethod
+    def _concrete(device: torch.device) -> torch.device:
+        """"cuda" means the current device: one key per physical device."""
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
     def _stream(self, device: torch.device) -> Any:
+        device = self._concrete(device)
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
@@ -203,7 +211,8 @@ class DeviceCopier:
 
     def finish(self, device: torch.device) -> None:
         """Order the caller's stream after the copies queued so far (the tensor is ready)."""
-        if device.type == "cuda" and device in self._streams:
+        if device.type == "cuda" and self._concrete(device) in self._streams:
+            device = self._concrete(device)
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
 
     def close(self) -> None:
