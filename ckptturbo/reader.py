@@ -230,8 +230,6 @@ class TurboReader(StorageReader):
         def deliver(cid: str, data: memoryview) -> None:
             if cid in wanted:
                 arrivals.put(cid, data)
-            else:
-                engine.release(cid)
 
         engine = ReadOnce([chains.assignments], group=self.process_group, fetch=self._fetch_verified,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
@@ -240,7 +238,7 @@ class TurboReader(StorageReader):
                           settings=ChainSettings(self.piece_size, timeout=self.timeout))
         engine.start()
         try:
-            consume(jobs, arrivals, self._finisher(planner), engine.release)
+            consume(jobs, arrivals, self._finisher(planner), lambda cid: None)  # dropped once used
         finally:
             engine.close(timeout=self.timeout)
 

@@ -15,8 +15,11 @@ per rank, runs the broadcaster batch by batch; each head reads its units through
 (:func:`~ckptturbo.broadcast.source_order`), ``streams`` at a time within ``budget``.
 
 Buffers follow the broadcaster's ownership contract: ``deliver(key, view)`` owns ``view``
-from then on (no copy is made). On a head it is the buffer ``fetch`` returned, whose
-read-ahead reservation lasts until the consumer calls :meth:`ReadOnce.release`.
+from then on (no copy is made); on a head it is the buffer ``fetch`` returned. A head's
+read-ahead reservation ends when the broadcaster takes the bytes: from then on they are
+one of its ``max_inflight`` buffers. (Holding the reservation until the consumer is done
+could deadlock: the broadcaster waits for the next source's bytes before it finishes the
+transfers that would free the room for them.)
 
 Memory: before each batch the engine calls ``reserve(batch)``, which may block until the
 consumer has freed room (and returns False to stop); a caller without its own bound
@@ -101,7 +104,6 @@ class ReadOnce:
             self._batches.append(transfers)
         self._assignments = [list(batch) for batch in batches]
         self._heads = {r.index: r for r in heads}
-        self._by_key = {r.path: r for r in heads}
         self.prefetcher = Prefetcher(heads, self._fetch_read, submit, budget, streams=streams, lookahead=1)
         self._failed: set[int] = set()
         self.failures: list[BaseException] = []
@@ -110,12 +112,6 @@ class ReadOnce:
 
     def start(self) -> None:
         self._thread.start()
-
-    def release(self, key: str) -> None:
-        """The consumer is done with a delivered unit: free its read-ahead if this rank read it."""
-        read = self._by_key.get(key)
-        if read is not None:
-            self.prefetcher.release(read)
 
     @property
     def running(self) -> bool:
@@ -148,13 +144,16 @@ class ReadOnce:
             self._done(self.failures[0] if self.failures else None)
 
     def _source(self, t: Transfer) -> Iterator[torch.Tensor]:
+        read = self._heads[t.tid]
         try:
-            data = self._heads[t.tid].result()
+            data = read.result()
         except CkptTurboError as exc:
             self.failures.append(exc)
             self._failed.add(t.tid)
             yield torch.zeros(t.nbytes, dtype=torch.uint8)
             return
+        finally:
+            self.prefetcher.release(read)  # the broadcaster holds the bytes now
         yield as_uint8(data)
 
     def _sink(self, t: Transfer, buffer: torch.Tensor) -> None:

@@ -183,7 +183,6 @@ class ReadOnceFeed:
             read.data = None
             if read.reserved:
                 self.budget.release(read.size)
-            self.engine.release(_key(read))
 
     def close(self) -> None:
         self._closed = True
