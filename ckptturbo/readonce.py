@@ -99,8 +99,10 @@ class ReadOnce:
             for a in batch:
                 transfers.append(Transfer(len(self._keys), a.nbytes, a.chain))
                 self._keys.append(a.chunk)
+            # the prefetcher's "file" is the batch, counted from 1: nothing is read before
+            # the first batch has been reserved (at_file(1))
             for tid in source_order(transfers, self.rank, settings.piece_size, settings.max_inflight):
-                heads.append(Read(tid, b, self._keys[tid], 0, transfers[tid - transfers[0].tid].nbytes))
+                heads.append(Read(tid, b + 1, self._keys[tid], 0, transfers[tid - transfers[0].tid].nbytes))
             self._batches.append(transfers)
         self._assignments = [list(batch) for batch in batches]
         self._heads = {r.index: r for r in heads}
@@ -134,7 +136,7 @@ class ReadOnce:
             for b, (batch, transfers) in enumerate(zip(self._assignments, self._batches)):
                 if self._closed or (self._reserve is not None and not self._reserve(batch)):
                     break
-                self.prefetcher.at_file(b)
+                self.prefetcher.at_file(b + 1)
                 self.broadcaster.run(transfers, self._source, self._sink)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer through done()
             log.debug("rank %d: read-once pass failed: %s", self.rank, exc)
