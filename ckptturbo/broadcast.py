@@ -37,6 +37,14 @@ what the source yields into its own assembly buffer (it needs one for its sink a
 sends slices of it, so the wire format never depends on how storage returned the bytes.
 A source that yields the whole transfer as one tensor on ``device`` is sent from directly.
 
+Buffer ownership (the contract every client follows). A *source* yields tensors the
+broadcaster only reads: they must stay unchanged until the transfer's sink has been
+called, and a source that yields the whole transfer as one tensor on ``device`` gets that
+very tensor back in its sink. A *sink* receives the whole transfer in one buffer and
+owns it from then on: the broadcaster drops every reference before the call returns and
+never reuses the memory, so a sink may keep the buffer (no copy) or let it go. What the
+sink keeps counts against the client's memory bound, not the broadcaster's.
+
 Failures: every wait has a deadline of ``timeout`` seconds from when it starts; a dead or
 stuck peer makes the others raise :class:`~ckptturbo.errors.CommunicationError` naming the
 transfer and the peer. Ranks that pass different transfer lists or settings all raise
@@ -66,7 +74,9 @@ from .errors import CommunicationError, IntegrityError, PlanError
 logger = logging.getLogger(__name__)
 
 Source = Callable[["Transfer"], Iterator[torch.Tensor]]
+"""Yields a head's bytes of a transfer; the tensors must stay unchanged until its sink runs."""
 Sink = Callable[["Transfer", torch.Tensor], None]
+"""Receives a complete transfer; it owns the buffer from then on (see the module docstring)."""
 
 _TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
 
@@ -140,6 +150,19 @@ def plan_schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: 
             heapq.heapreplace(h, last_step(start, n, p, len(t.chain)) + 1)
         starts[t.tid] = start
     return starts
+
+
+def source_order(transfers: Sequence[Transfer], rank: int, piece_size: int,
+                 max_inflight: int) -> list[int]:
+    """The tids ``rank`` heads, in the order :meth:`ChainBroadcaster.run` pulls their
+    sources: chains by start step (then tid), then transfers without communication by tid.
+    A prefetcher that reads in this order always has the next source's bytes coming first.
+    """
+    starts = plan_schedule(transfers, piece_size, max_inflight)
+    chained = sorted((starts[t.tid], t.tid) for t in transfers
+                     if needs_communication(t) and t.chain[0] == rank)
+    local = sorted(t.tid for t in transfers if not needs_communication(t) and t.chain[0] == rank)
+    return [tid for _, tid in chained] + local
 
 
 def validate(transfers: Sequence[Transfer], world_size: int) -> None:
@@ -279,9 +302,8 @@ class ChainBroadcaster:
         ``source(t)`` yields the bytes as uint8 tensors of any sizes (cut here into
         ``piece_size`` pieces); every member, head included, gets ``sink(t, buffer)`` with
         the whole transfer in one uint8 tensor of ``nbytes`` on ``device``, once it is
-        complete. The broadcaster keeps no reference after the call, so the sink may keep
-        the buffer instead of copying it (it then counts against nobody's memory bound but
-        the caller's); on the head it may be the very tensor the source yielded.
+        complete, and owns it from then on (see "Buffer ownership" in the module docstring);
+        on the head it may be the very tensor the source yielded.
         """
         began = time.monotonic()
         self._device = self.device

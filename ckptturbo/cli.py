@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 import warnings
-from collections import defaultdict
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
@@ -26,9 +26,9 @@ import torch
 from . import __version__
 from .api import load as ct_load
 from .catalog import collect_garbage, delete_checkpoint, list_checkpoints
-from .chunks import chunk_id
-from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageError
-from .layout import ItemRecord, Location, Manifest, dtype_name
+from .errors import CkptTurboError, FormatError, StorageError
+from .integrity import chunk_users, item_chunks, stored_chunk_problem
+from .layout import Location, Manifest, dtype_name
 from .store import Store
 
 log = logging.getLogger("ckptturbo.cli")
@@ -125,10 +125,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 # --- inspect -------------------------------------------------------------------------
 
-def _item_chunks(item: ItemRecord) -> set[str]:
-    return {p.chunk for s in item.shards for p in s.pieces}
-
-
 def describe(url: str, manifest: Manifest) -> dict[str, Any]:
     """Everything inspect shows, as one JSON-able document (the table is a view of it)."""
     tensors, objects = [], []
@@ -137,7 +133,7 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
         if item.kind == "tensor":
             tensors.append({"name": fqn, "dtype": dtype_name(item.dtype), "shape": list(item.size),
                             "bytes": nbytes, "shards": len(item.shards),
-                            "chunks": len(_item_chunks(item))})
+                            "chunks": len(item_chunks(item))})
         else:
             objects.append({"name": fqn, "bytes": nbytes})
     total, unique = manifest.total_bytes, manifest.unique_bytes
@@ -176,28 +172,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # --- verify --------------------------------------------------------------------------
 
-def check_chunk(location: Location, cid: str, size: int) -> str | None:
-    """Why a chunk is bad ("missing", "corrupt ..."), or None when its bytes hash to its name."""
-    try:
-        data = location.chunk_store.get(location.chunk_path(cid))
-    except CheckpointNotFound:
-        return "missing"
-    if len(data) != size:
-        return f"corrupt: {len(data)} bytes, the manifest says {size}"
-    if chunk_id(data) != cid:
-        return "corrupt: its BLAKE3 hash does not match its name"
-    return None
-
-
-def chunk_users(manifest: Manifest) -> dict[str, list[str]]:
-    """Which items a chunk holds bytes of, so a bad chunk is reported by the tensors it breaks."""
-    users: dict[str, list[str]] = defaultdict(list)
-    for fqn, item in sorted(manifest.items.items()):
-        for cid in sorted(_item_chunks(item)):
-            users[cid].append(fqn)
-    return users
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every chunk: bit rot, a truncated upload or an over-eager cleanup shows here,
     not in the middle of a training restart."""
@@ -207,7 +181,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     def check(entry: tuple[str, int]) -> tuple[str, str | None]:
         cid, size = entry
-        problem = check_chunk(location, cid, size)
+        problem = stored_chunk_problem(location, cid, size)
         with lock:
             bar.update(size)
         return cid, problem
@@ -366,7 +340,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The fastest streams x request size depends on the store and the network; measure it."""
-    from .profiles import calibrate
+    from .stream.calibrate import calibrate
 
     result = calibrate(args.calibrate, args.storage_options, streams=args.streams,
                        chunk_sizes=args.chunk_sizes, sample_bytes=args.sample_size, save=args.save)
@@ -488,6 +462,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptturbo: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (``ckptturbo inspect ... | head``): that is not an
+    error. Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured)
+        pass
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Clairvoyant, memory-bounded prefetch of byte ranges in the order they will be consumed.
 
-The streamer knows every range it will need, and in which order, before the first byte
-arrives (the safetensors headers say so). Following NoPFS, the optimal policy is then
+The one prefetcher of the library: TurboReader's direct loads (chunks in first-use
+order), the chain heads of the read-once engine (``readonce``: the units a rank reads
+for its chains, in the order the broadcaster sends them) and the safetensors streamer
+(file ranges in yield order). Each knows every range it will need, and in which order,
+before the first byte arrives. Following NoPFS, the optimal policy is then
 simple: fetch exactly the next range not yet present, at the first opportunity, and drop
 each range as soon as it has been consumed. :class:`Prefetcher` does that with three
 bounds: at most ``streams`` requests in flight, only ranges of the ``lookahead`` files
@@ -9,7 +12,8 @@ starting at the consumer's current one, and a :class:`MemoryBudget` that every r
 reserves before its request is issued and returns when the consumer releases it. Ranges
 are issued strictly in consumption order and released in that order too, so the range
 the consumer waits for can always be issued (everything before it is released), which
-makes the bound deadlock-free as long as every range fits in the budget.
+makes the bound deadlock-free. A range larger than the whole budget is issued alone,
+once nothing else is held, so a small budget slows a load down instead of stalling it.
 """
 from __future__ import annotations
 
@@ -33,9 +37,10 @@ class MemoryBudget:
         self.peak = 0
         self._cv = threading.Condition()
 
-    def try_acquire(self, nbytes: int) -> bool:
+    def try_acquire(self, nbytes: int, *, alone: bool = False) -> bool:
+        """Reserve ``nbytes`` if they fit; with ``alone``, also when nothing else is held."""
         with self._cv:
-            if self.held + nbytes > self.limit:
+            if self.held + nbytes > self.limit and not (alone and self.held == 0):
                 return False
             self._take(nbytes)
             return True
@@ -159,7 +164,7 @@ class Prefetcher:
                     continue
                 if read.file >= self._file + self.lookahead:
                     break
-                if not self.budget.try_acquire(read.size):
+                if not self.budget.try_acquire(read.size, alone=read.size > self.budget.limit):
                     break
                 read.reserved = True
                 self._inflight += 1

@@ -1,4 +1,4 @@
-"""Host staging: a reusable buffer pool, device-to-host copies, and two-phase save handles.
+"""Host staging: a reusable buffer pool, host<->device copies, and two-phase save handles.
 
 The training loop should stall only for the copy of its state into host memory. The pool
 is one arena allocated on first use and reused by every later save (pinned when CUDA is
@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -127,20 +128,52 @@ class HostBufferPool:
 
 
 class DeviceCopier:
-    """Copies tensor bytes into host buffers: async on a side CUDA stream, plain on CPU."""
+    """The one pinned-copy helper: host<->device copies on a side CUDA stream.
 
-    def __init__(self) -> None:
+    Saves copy device tensors into pinned host buffers (:meth:`copy`, async, with an event
+    to wait on). Loads copy bytes from pageable memory to the device (:meth:`to_device`):
+    a copy from pageable memory makes the driver stage it through its own pinned buffer,
+    synchronously, so the bytes go through a small ring of our own pinned buffers instead
+    and each host-to-device copy runs asynchronously while the next piece is copied in
+    (and the network fills the next ranges). A ring buffer is reused only after the event
+    recorded behind its last copy has completed. On CPU everything is a plain copy.
+    """
+
+    def __init__(self, ring_piece: int = 16 << 20, ring_buffers: int = 2) -> None:
+        self.ring_piece = ring_piece
+        self.ring_buffers = ring_buffers
         self._streams: dict[torch.device, Any] = {}
+        self._ring: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._next = 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Pinned host memory :meth:`to_device` holds (allocated on first use)."""
+        return self.ring_piece * self.ring_buffers
+
+    @staticmethod
+    def _concrete(device: torch.device) -> torch.device:
+        """"cuda" means the current device: one key per physical device."""
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def _stream(self, device: torch.device) -> Any:
+        device = self._concrete(device)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        # tensors were allocated on the current stream: ours must not touch them earlier
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Start dst.copy_(src); returns an event to wait on (None when already done)."""
         if src.device.type != "cuda":
             dst.copy_(src)
             return None
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
-        stream.wait_stream(torch.cuda.current_stream(src.device))
+        stream = self._stream(src.device)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -151,6 +184,42 @@ class DeviceCopier:
     def wait(event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def to_device(self, src: memoryview, dst: torch.Tensor, offset: int) -> None:
+        """Queue the copy of host bytes ``src`` into ``dst[offset:]`` (a uint8 tensor);
+        call :meth:`finish` before the caller's stream reads ``dst``."""
+        if dst.device.type != "cuda":
+            if len(src):
+                dst.numpy()[offset:offset + len(src)] = np.frombuffer(src, dtype=np.uint8)
+            return
+        if not self._ring:
+            self._ring = [torch.empty(self.ring_piece, dtype=torch.uint8, pin_memory=True)
+                          for _ in range(self.ring_buffers)]
+            self._events = [None] * self.ring_buffers
+        stream = self._stream(dst.device)
+        pos = 0
+        while pos < len(src):
+            n = min(self.ring_piece, len(src) - pos)
+            i, self._next = self._next, (self._next + 1) % len(self._ring)
+            self.wait(self._events[i])
+            self._ring[i].numpy()[:n] = np.frombuffer(src[pos:pos + n], dtype=np.uint8)
+            with torch.cuda.stream(stream):
+                dst[offset + pos:offset + pos + n].copy_(self._ring[i][:n], non_blocking=True)
+                self._events[i] = torch.cuda.Event()
+                self._events[i].record(stream)
+            pos += n
+
+    def finish(self, device: torch.device) -> None:
+        """Order the caller's stream after the copies queued so far (the tensor is ready)."""
+        if device.type == "cuda" and self._concrete(device) in self._streams:
+            device = self._concrete(device)
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+
+    def close(self) -> None:
+        """Wait for queued copies and drop the pinned ring."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._ring, self._events = [], []
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import fsspec
 import torch
 from safetensors.torch import save_file
 
-from ckptturbo.cache import DiskCache, cache_key
+from ckptturbo.stream.cache import DiskCache, cache_key
 from ckptturbo.store import Store
 from ckptturbo.stream import stream_safetensors
 from test_stream import CountingS3, assert_same, counting, sharded_model, upload_dir

@@ -263,3 +263,21 @@ def test_bench_calibrate_saves_best_settings(tmp_path, capsys, monkeypatch):
 
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1MiB") == 1 << 20 and parse_size("42") == 42
+
+
+def test_closed_pipe_exits_quietly(tmp_path):
+    """``ckptturbo inspect ... | head``: output far larger than the pipe's buffer, read by a
+    real ``head`` that exits after one line; the CLI must exit 0 without a traceback."""
+    url = str(tmp_path / "run" / "many")
+    save({f"layer{i:04d}.weight_with_a_long_name": torch.zeros(2) for i in range(3000)}, url)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    cmd = subprocess.Popen([sys.executable, "-m", "ckptturbo.cli", "inspect", url], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-n", "1"], stdin=cmd.stdout, stdout=subprocess.PIPE)
+    cmd.stdout.close()  # only head reads the pipe now: its exit closes it
+    first, _ = head.communicate(timeout=120)
+    err = cmd.stderr.read().decode()
+    cmd.stderr.close()
+    assert cmd.wait(timeout=120) == 0, err
+    assert first.startswith(b"checkpoint ")
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ckptturbo.errors import CheckpointNotFound, FormatError, MismatchError
-from ckptturbo.profiles import PROFILES, calibrate, load_saved
-from ckptturbo.safetensors_format import header_length, parse_header
+from ckptturbo.stream.calibrate import calibrate
+from ckptturbo.stream.profiles import PROFILES, load_saved
+from ckptturbo.stream.format import header_length, parse_header
 from ckptturbo.store import Store
 from ckptturbo.stream import safe_open, stream_safetensors
 from tests.distributed import run_distributed

@@ -1,10 +1,10 @@
-"""Named streaming presets, and a calibration that measures the best one for a store.
+"""Named streaming presets, and which one a stream uses (pure table and resolution).
 
 No single setting is right everywhere: many parallel streams of large chunks per file are
 what loads one big model fast from an object store (SkyPilot measured 6.8-7.9x over
 defaults), and the same settings waste memory and requests on many small files. So the
 streamer takes a named ``profile`` and, when none is named, uses the settings that
-:func:`calibrate` measured for the same endpoint on this machine (saved in
+:func:`~ckptturbo.stream.calibrate.calibrate` measured for the same endpoint on this machine (saved in
 ``~/.cache/ckptturbo/profiles.json``, or ``$CKPTTURBO_PROFILES``), falling back to
 ``model-load``. Explicit keyword arguments always win over the profile.
 """
@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import fsspec
 
-from .errors import CheckpointNotFound
-from .store import Store
+from ..store import Store
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -114,68 +111,5 @@ def resolve(profile: str | StreamProfile | dict[str, Any] | None, key: str,
     return PROFILES[profile]
 
 
-def calibrate(url: str, storage_options: dict[str, Any] | None = None, *,
-              streams: Iterable[int] = (4, 8, 16, 32),
-              chunk_sizes: Iterable[int] = (4 * MiB, 16 * MiB, 64 * MiB),
-              sample_bytes: int = 256 * MiB, save: bool | str | os.PathLike[str] = False) -> dict[str, Any]:
-    """Time parallel ranged reads of one object at ``url`` for each (streams, chunk size).
-
-    ``url`` is a file or a directory/prefix (its largest ``*.safetensors`` is used). Each
-    combination reads the first ``sample_bytes`` of the object. Returns the fastest as
-    ``{"endpoint", "streams", "chunk_size", "gbps", "results": [...]}``; with ``save``
-    (True for the default file, or a path) it is stored where the streamer looks it up.
-    """
-    stream_list, chunk_list = list(streams), list(chunk_sizes)
-    store = Store(url, storage_options, max_workers=max(stream_list))
-    try:
-        path, size = _sample_object(store)
-        nbytes = min(size, sample_bytes)
-        results = []
-        for chunk in chunk_list:
-            ranges = [(s, min(s + chunk, nbytes)) for s in range(0, nbytes, chunk)]
-            for n in stream_list:
-                began = time.perf_counter()
-                _read_parallel(store, path, ranges, n)
-                seconds = time.perf_counter() - began
-                results.append({"streams": n, "chunk_size": chunk, "seconds": seconds,
-                                "gbps": nbytes / seconds / 1e9})
-                log.info("calibrate %s: %d streams x %d MiB: %.3f GB/s", url, n, chunk // MiB,
-                         results[-1]["gbps"])
-        best = max(results, key=lambda r: r["gbps"])
-        result = {"endpoint": endpoint_key(store), "object": store.url_of(path), "sample_bytes": nbytes,
-                  "streams": best["streams"], "chunk_size": best["chunk_size"], "gbps": best["gbps"],
-                  "measured_at": time.time(), "results": results}
-        if save:
-            result["saved_to"] = str(save_profile(result["endpoint"], result,
-                                                  None if save is True else save))
-        return result
-    finally:
-        store.close()
-
-
-def _sample_object(store: Store) -> tuple[str, int]:
-    files = [f for f in store.list_files(store.root) if f.path.endswith(".safetensors")]
-    if files:
-        best = max(files, key=lambda f: f.size)
-        return best.path, best.size
-    info = store.info(store.root)
-    if info.size <= 0:
-        raise CheckpointNotFound(f"calibrate: no object with data at {store.url}")
-    return info.path, info.size
-
-
-def _read_parallel(store: Store, path: str, ranges: list[tuple[int, int]], streams: int) -> None:
-    """Read ``ranges`` with at most ``streams`` requests in flight, dropping the bytes."""
-    pending: set = set()
-    for r in ranges:
-        if len(pending) >= streams:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                fut.result()
-        pending.add(store.submit(store.get, path, *r))
-    for fut in pending:
-        fut.result()
-
-
-__all__ = ["StreamProfile", "PROFILES", "DEFAULT_PROFILE", "calibrate", "resolve",
+__all__ = ["StreamProfile", "PROFILES", "DEFAULT_PROFILE", "resolve",
            "endpoint_key", "endpoint_key_for", "load_saved", "save_profile", "profiles_path"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError
+from ..errors import FormatError
 
 DEFAULT_MAX_HEADER_SIZE = 100_000_000  # the reference implementation's cap
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

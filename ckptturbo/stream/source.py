@@ -6,7 +6,7 @@ one place: a ``.safetensors`` file; a directory/prefix whose
 names the shards, or else whose ``*.safetensors`` files are the shards; or an explicit
 list of file URLs. Pickle checkpoints are refused by name and by content.
 
-With a :class:`~ckptturbo.cache.DiskCache` the listing (with each file's size and
+With a :class:`~ckptturbo.stream.cache.DiskCache` the listing (with each file's size and
 mtime), every header and every range are served from local disk on a later load, so the
 object store sees no request at all. Staleness rule: a cached listing is trusted until
 it is evicted or the load passes ``cache_validate=True``, which lists the files again
@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import fsspec
 
+from ..errors import CheckpointNotFound, FormatError
+from ..prefetch import Read
+from ..store import ObjectInfo, Store
 from .cache import DiskCache, cache_key
-from .errors import CheckpointNotFound, FormatError
-from .prefetch import Read
+from .format import DEFAULT_MAX_HEADER_SIZE, PICKLE_SUFFIXES, refuse_pickle_name
 from .profiles import endpoint_key
-from .safetensors_format import DEFAULT_MAX_HEADER_SIZE, PICKLE_SUFFIXES, refuse_pickle_name
-from .store import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
@@ -156,7 +156,7 @@ def _list_urls(store: Store, urls: list[str]) -> list[FileEntry]:
         if fsspec.utils.get_protocol(url) != store.protocol:
             raise FormatError(f"{url}: all URLs of one model must use the same storage "
                               f"({store.protocol}://)")
-        paths.append(store.fs._strip_protocol(url))
+        paths.append(fsspec.core.strip_protocol(url))
     return [_entry(i) for i in store.map(store.info, paths)]
 
 

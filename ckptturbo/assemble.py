@@ -1,0 +1,163 @@
+"""Where a load's bytes go: each DCP read item filled from verified chunks as they arrive.
+
+Chunks arrive in whatever order storage or peers deliver them; an item may need bytes
+of many chunks and a chunk may feed many items. Each item becomes a :class:`Job` that
+knows its byte span of the stored shard and where those bytes land: straight in the
+destination tensor when that is a contiguous CPU tensor receiving the whole shard (no
+buffer, no copy; a chunk that is exactly one slice of it is even read in place), else a
+staging buffer copied out, with the shard's strides, once the item is complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from .errors import CkptTurboError, FormatError, MismatchError
+from .layout import ShardRecord
+from .plan import box_span, overlapping, row_major_strides
+
+
+@dataclass(eq=False)
+class Job:
+    """One read item: its byte span [start, end) of ``shard`` and where those bytes go."""
+
+    item: ReadItem
+    shard: ShardRecord
+    start: int
+    end: int
+    target: torch.Tensor | None
+    dest: Any
+    direct: bool = False  # dest is the target's own memory
+    missing: int = 0
+    done: bool = False
+    in_place: set[str] = dataclasses.field(default_factory=set)
+
+    def pieces(self) -> list:
+        return overlapping(self.shard.pieces, self.start, self.end)
+
+    def fill(self, cid: str, data: memoryview) -> None:
+        for p in self.pieces():
+            if p.chunk != cid:
+                continue
+            lo, hi = max(p.start, self.start), min(p.start + p.length, self.end)
+            src = data[p.offset + lo - p.start: p.offset + hi - p.start]
+            if cid in self.in_place:
+                pass  # the chunk was read into the destination itself
+            elif self.direct:
+                self.dest[lo - self.start: hi - self.start].copy_(frombuffer(src))
+            else:
+                memoryview(self.dest)[lo - self.start: hi - self.start] = src
+            self.missing -= 1
+
+
+def item_span(shard: ShardRecord, item: ReadItem) -> tuple[int, int]:
+    """The byte range of the shard that holds the requested box (all of it for bytes)."""
+    if item.type == LoadItemType.BYTE_IO:
+        return 0, shard.nbytes
+    return box_span(shard.sizes, shard.nbytes, item.storage_offsets, item.lengths)
+
+
+def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | None,
+             planner: LoadPlanner) -> Job:
+    """A job for one item; refuses a destination whose dtype or box differs from the stored."""
+    start, end = item_span(shard, item)
+    fqn = item.dest_index.fqn
+    if item.type == LoadItemType.BYTE_IO:
+        return Job(item, shard, start, end, None, bytearray(end - start))
+    target = planner.resolve_tensor(item)
+    stored = stored_dtype or target.dtype
+    if target.dtype != stored:
+        raise MismatchError(f"{fqn!r}: checkpoint holds {stored}, the state dict "
+                            f"expects {target.dtype} (convert after loading instead)")
+    if tuple(target.shape) != tuple(item.lengths):
+        raise MismatchError(f"{fqn!r}: destination box {tuple(target.shape)} does not match "
+                            f"the stored box {tuple(item.lengths)}")
+    full = (start, end) == (0, shard.nbytes) and tuple(item.lengths) == tuple(shard.sizes)
+    if full and target.is_contiguous() and target.device.type == "cpu":
+        dest = target.reshape(-1).view(torch.uint8) if target.numel() else None
+        return Job(item, shard, start, end, target, dest, direct=True)
+    return Job(item, shard, start, end, target, bytearray(end - start))
+
+
+def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, memoryview]:
+    """Chunks that are exactly one slice of one destination tensor: those are read
+    straight into the tensor's memory and verified there, with no buffer or copy."""
+    users: dict[str, int] = defaultdict(int)
+    for job in jobs:
+        for p in job.pieces():
+            users[p.chunk] += 1
+    targets: dict[str, memoryview] = {}
+    for job in jobs:
+        if not job.direct or job.dest is None:
+            continue
+        for p in job.shard.pieces:
+            if users[p.chunk] == 1 and p.offset == 0 and p.length == chunk_sizes[p.chunk]:
+                targets[p.chunk] = memoryview(job.dest[p.start:p.start + p.length].numpy())
+                job.in_place.add(p.chunk)
+    return targets
+
+
+def consume(jobs: list[Job], chunks: Iterable[tuple[str, memoryview]],
+            finish: Callable[[Job], None], release: Callable[[str], None]) -> None:
+    """Copy each verified chunk's bytes into every job that needs them; ``finish`` a job
+    once all its bytes are in; ``release`` each chunk as soon as it has been consumed."""
+    waiting: dict[str, list[Job]] = defaultdict(list)
+    for job in jobs:
+        for p in job.pieces():
+            if job not in waiting[p.chunk]:
+                waiting[p.chunk].append(job)
+            job.missing += 1
+        if job.missing == 0:
+            finish(job)
+    for cid, data in chunks:
+        for job in waiting.pop(cid, ()):
+            job.fill(cid, data)
+            if job.missing == 0:
+                finish(job)
+        release(cid)
+    unfinished = [j.item.dest_index.fqn for j in jobs if not j.done]
+    if unfinished:
+        raise CkptTurboError(f"load incomplete: no bytes arrived for {unfinished[:5]}")
+
+
+def finish_job(job: Job, planner: LoadPlanner, allow_pickle: bool, url: str) -> None:
+    """Hand a complete item to DCP's planner (objects only once proven safe to unpickle)."""
+    job.done = True
+    item = job.item
+    if item.type == LoadItemType.BYTE_IO:
+        data = bytes(job.dest)
+        if not allow_pickle:
+            refuse_unsafe_pickle(data, item.dest_index.fqn, url)
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    target = job.target
+    assert target is not None
+    if not job.direct and target.numel():
+        flat = frombuffer(job.dest).view(target.dtype)
+        src = torch.as_strided(flat, tuple(item.lengths), row_major_strides(job.shard.sizes), 0)
+        target.copy_(src)
+    planner.commit_tensor(item, target)
+
+
+def refuse_unsafe_pickle(data: bytes, fqn: str, url: str) -> None:
+    """Prove an object loads with torch's restricted unpickler before DCP unpickles it."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal means: not provably safe
+        raise FormatError(
+            f"object {fqn!r} in {url} needs full unpickling, which can run arbitrary code; "
+            f"pass allow_pickle=True to TurboReader only for checkpoints you trust ({exc})") from exc
+
+
+def frombuffer(buf: Any) -> torch.Tensor:
+    """A uint8 tensor over a buffer without copying."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
+        return torch.frombuffer(buf, dtype=torch.uint8)

@@ -1,0 +1,215 @@
+"""Read once, forward down chains: the load engine of TurboReader and the distributed streamer.
+
+When N ranks need the same stored bytes, reading them N times makes storage the
+bottleneck and multiplies the bill. Here every *unit* (a chunk for TurboReader, a byte
+range of a file for the streamer) is read from storage by exactly one rank, the head of
+its chain as :func:`ckptturbo.plan.plan_reads` chose it, and
+:class:`~ckptturbo.broadcast.ChainBroadcaster` forwards it to every other rank that needs
+it, in pipelined pieces.
+
+Division of work. The caller plans (the same batches of ``ChainAssignment`` on every rank)
+and says how to read one unit from storage (``fetch``, which also verifies what it read)
+and what to do with a delivered one (``deliver``). The engine, in one background thread
+per rank, runs the broadcaster batch by batch; each head reads its units through the one
+:class:`~ckptturbo.prefetch.Prefetcher`, in the order the broadcaster will send them
+(:func:`~ckptturbo.broadcast.source_order`), ``streams`` at a time within ``budget``.
+
+Buffers follow the broadcaster's ownership contract: ``deliver(key, view)`` owns ``view``
+from then on (no copy is made); on a head it is the buffer ``fetch`` returned. A head's
+read-ahead reservation ends when the broadcaster takes the bytes: from then on they are
+one of its ``max_inflight`` buffers. (Holding the reservation until the consumer is done
+could deadlock: the broadcaster waits for the next source's bytes before it finishes the
+transfers that would free the room for them.)
+
+Memory: before each batch the engine calls ``reserve(batch)``, which may block until the
+consumer has freed room (and returns False to stop); a caller without its own bound
+passes one batch and no ``reserve``, and the prefetcher's budget bounds the read-ahead.
+
+Failures never break a chain. A head that cannot read or verify its unit forwards zeros
+(every receiver's ``check`` then fails and names the unit) and a receiver whose copy fails
+``check`` keeps forwarding; neither is delivered. Once the pass is over, ``done`` gets the
+first failure (the broadcaster's own, such as a dead peer, first), so no rank is left
+waiting on a peer that gave up.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .broadcast import ChainBroadcaster, Transfer, source_order
+from .errors import CkptTurboError
+from .plan import ChainAssignment
+from .prefetch import MemoryBudget, Prefetcher, Read
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+Fetch = Callable[[str], Buffer]
+Deliver = Callable[[str, memoryview], None]
+Check = Callable[[str, memoryview], None]
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    """How units travel; every rank must use the same (the broadcaster checks)."""
+
+    piece_size: int = 8 << 20
+    max_inflight: int = 4
+    timeout: float = 300.0
+
+
+class ReadOnce:
+    """One read-once pass over ``batches`` on this rank; see the module docstring.
+
+    Args:
+        batches: consecutive groups of units, identical on every rank of ``group``.
+        group: the process group the chains use (ranks in assignments are group ranks).
+        fetch: reads one unit this rank heads from storage, verified; run on ``submit``.
+        deliver: gets every unit this rank needs, in the engine's thread, as it arrives.
+        done: called once at the end with the first failure, or None.
+        submit: runs fetches (the store's pool), ``streams`` at a time.
+        budget: bounds the bytes this rank has read ahead for its chains.
+        check: verifies a unit received from a peer (None: trust the head's check).
+        reserve: called before each batch; False stops the pass.
+    """
+
+    def __init__(self, batches: Sequence[Sequence[ChainAssignment]], *, group: dist.ProcessGroup | None,
+                 fetch: Fetch, deliver: Deliver, done: Callable[[BaseException | None], None],
+                 submit: Callable[..., Future], budget: MemoryBudget, streams: int,
+                 check: Check | None = None,
+                 reserve: Callable[[Sequence[ChainAssignment]], bool] | None = None,
+                 settings: ChainSettings = ChainSettings()) -> None:
+        self.rank = dist.get_rank(group)
+        self._deliver, self._done, self._check, self._reserve = deliver, done, check, reserve
+        self._fetch = fetch
+        self.broadcaster = ChainBroadcaster(group, piece_size=settings.piece_size,
+                                            max_inflight=settings.max_inflight, timeout=settings.timeout)
+        self._batches: list[list[Transfer]] = []
+        self._keys: list[str] = []
+        heads: list[Read] = []
+        for b, batch in enumerate(batches):
+            transfers = []
+            for a in batch:
+                transfers.append(Transfer(len(self._keys), a.nbytes, a.chain))
+                self._keys.append(a.chunk)
+            # the prefetcher's "file" is the batch, counted from 1: nothing is read before
+            # the first batch has been reserved (at_file(1))
+            for tid in source_order(transfers, self.rank, settings.piece_size, settings.max_inflight):
+                heads.append(Read(tid, b + 1, self._keys[tid], 0, transfers[tid - transfers[0].tid].nbytes))
+            self._batches.append(transfers)
+        self._assignments = [list(batch) for batch in batches]
+        self._heads = {r.index: r for r in heads}
+        self.prefetcher = Prefetcher(heads, self._fetch_read, submit, budget, streams=streams, lookahead=1)
+        self._failed: set[int] = set()
+        self.failures: list[BaseException] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ckptturbo-readonce", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop before the next batch and wait (up to ``timeout``) for the thread to end."""
+        self._closed = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("read-once engine still waiting on peers after close")
+
+    def _fetch_read(self, read: Read) -> Buffer:
+        return self._fetch(read.path)
+
+    def _run(self) -> None:
+        self.prefetcher.start()
+        try:
+            for b, (batch, transfers) in enumerate(zip(self._assignments, self._batches)):
+                if self._closed or (self._reserve is not None and not self._reserve(batch)):
+                    break
+                self.prefetcher.at_file(b + 1)
+                self.broadcaster.run(transfers, self._source, self._sink)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer through done()
+            log.debug("rank %d: read-once pass failed: %s", self.rank, exc)
+            self.failures.insert(0, exc)
+        finally:
+            self.prefetcher.close()
+            self._done(self.failures[0] if self.failures else None)
+
+    def _source(self, t: Transfer) -> Iterator[torch.Tensor]:
+        read = self._heads[t.tid]
+        try:
+            data = read.result()
+        except CkptTurboError as exc:
+            self.failures.append(exc)
+            self._failed.add(t.tid)
+            yield torch.zeros(t.nbytes, dtype=torch.uint8)
+            return
+        finally:
+            self.prefetcher.release(read)  # the broadcaster holds the bytes now
+        yield as_uint8(data)
+
+    def _sink(self, t: Transfer, buffer: torch.Tensor) -> None:
+        if t.tid in self._failed:
+            return
+        key = self._keys[t.tid]
+        data = memoryview(buffer.cpu().numpy()).cast("B")
+        if t.chain[0] != self.rank and self._check is not None:
+            try:
+                self._check(key, data)
+            except CkptTurboError as exc:
+                self.failures.append(exc)
+                return
+        self._deliver(key, data)
+
+
+class Arrivals:
+    """Hands delivered units from the engine's thread to the consuming thread, in arrival
+    order; iteration ends when the pass is done and then raises its first failure."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, memoryview]] = []
+        self._cv = threading.Condition()
+        self._finished = False
+        self._error: BaseException | None = None
+
+    def put(self, key: str, data: memoryview) -> None:
+        with self._cv:
+            self._items.append((key, data))
+            self._cv.notify_all()
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._cv:
+            self._finished, self._error = True, error
+            self._cv.notify_all()
+
+    def __iter__(self) -> Iterator[tuple[str, memoryview]]:
+        while True:
+            with self._cv:
+                while not self._items and not self._finished:
+                    self._cv.wait()
+                batch, self._items = self._items, []
+                finished = self._finished
+            yield from batch
+            if finished and not batch:
+                break
+        if self._error is not None:
+            raise self._error
+
+
+def as_uint8(data: Buffer) -> torch.Tensor:
+    """A uint8 tensor over bytes without copying (the broadcaster only reads a source's)."""
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
+        return torch.frombuffer(data, dtype=torch.uint8)

@@ -1,0 +1,90 @@
+"""Safetensors headers of a stream's files: one ranged GET each, whose data tail is kept.
+
+The first GET of a file asks for ``HEADER_PROBE`` bytes, which hold the whole header of
+almost every model; a second GET is needed only for a longer header. The rest of the first
+GET is already data: it is kept (within a quarter of the memory budget) and serves the
+reads it covers, so no byte is fetched twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..prefetch import MemoryBudget, Read
+from .format import Header, header_length, parse_header
+from .source import ByteSource, FileEntry
+
+MiB = 1 << 20
+HEADER_PROBE = 1 * MiB  # first GET per file: holds the whole header of almost every model
+
+
+@dataclass
+class StreamFile:
+    """A file of the stream with its parsed header and, when kept, its first GET's data tail."""
+
+    entry: FileEntry
+    header: Header
+    raw: bytes  # the header's JSON bytes, as stored (rank 0 sends them to the others)
+    tail: bytes | None = None  # bytes [data_start, probe_end) from the header GET
+
+    @property
+    def probe_end(self) -> int:
+        return self.header.data_start + len(self.tail or b"")
+
+
+def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_size: int,
+                 budget: MemoryBudget | None = None) -> StreamFile:
+    """One ranged GET of the first ``probe`` bytes; a second only if the header is longer.
+
+    Headers are cached (keyed by the object's identity) when the source has a cache, so a
+    second load parses them without any request. With a ``budget``, a kept tail stays
+    reserved in it: the caller serves reads from it and releases what it does not use.
+    """
+    cached = source.cached_header(entry)
+    if cached is not None:
+        return StreamFile(entry, parse_header(cached, source.url_of(entry), file_size=entry.size),
+                          cached)
+    first = min(probe, entry.size)
+    if budget is not None:
+        budget.acquire(first)
+    try:
+        head = source.get(entry, 0, first, cacheable=False)
+        n = header_length(head[:8], source.url_of(entry), file_size=entry.size,
+                          max_header_size=max_header_size)
+        if 8 + n <= len(head):
+            raw, tail = head[8:8 + n], head[8 + n:]
+        else:
+            raw, tail = head[8:] + source.get(entry, len(head), 8 + n, cacheable=False), b""
+        header = parse_header(bytes(raw), source.url_of(entry), file_size=entry.size)
+    finally:
+        if budget is not None:
+            budget.release(first)
+    source.remember_header(entry, bytes(raw))
+    # Keep the data tail only while all kept tails fit in a quarter of the budget (reserved
+    # now, so they count like any other bytes held); otherwise drop it and read it again.
+    if tail and budget is not None and (budget.held + len(tail) > budget.limit // 4
+                                        or not budget.try_acquire(len(tail))):
+        tail = b""
+    return StreamFile(entry, header, bytes(raw), bytes(tail) if tail else None)
+
+
+def tail_slices(f: StreamFile, reads: Sequence[Read], source: ByteSource,
+                budget: MemoryBudget) -> list[tuple[Read, bytes]]:
+    """The leading reads of ``f`` that its header GET already holds, with their bytes.
+
+    Those ranges go to the cache, the tail's budget reservation shrinks to what they
+    use (each returned read keeps its share until it is released), and the file lets
+    go of its tail.
+    """
+    if f.tail is None:
+        return []
+    served = []
+    for r in reads:
+        if r.end > f.probe_end:
+            break
+        lo = r.start - f.header.data_start
+        served.append((r, f.tail[lo:lo + r.size]))
+        source.remember_range(f.entry, r.start, served[-1][1])
+    budget.release(len(f.tail) - sum(r.size for r, _ in served))
+    f.tail = None
+    return served

@@ -1,0 +1,269 @@
+"""Stream safetensors models from any fsspec location, fast and in bounded memory.
+
+Reading safetensors from an object store the way local code does (mmap, then touch each
+tensor) turns into thousands of small scattered reads that each pay a round trip. Here
+the headers of all files are fetched first, in parallel, with one ranged GET each (sized
+to hold the whole header of almost every file; a second GET only for larger ones, and the
+rest of the first GET is kept as data, so no byte is read twice). The headers give the
+exact order in which the consumer will want every byte, so a read plan cuts the data into
+large ranges (coalescing neighbouring tensors) and :class:`~ckptturbo.prefetch.Prefetcher`
+keeps the next ranges in flight, ``streams`` at a time, ``lookahead`` files ahead, within
+``memory_limit``. Tensors are yielded as soon as their bytes are in, and each range is
+dropped once its last tensor has been copied out.
+
+Yielded tensors are always fresh allocations of exactly their own size, never views of a
+read buffer: the caller may keep, modify or free them independently (no buffer-reuse
+corruption, and one small tensor never pins a 32 MiB range in memory). The copy out of
+the range buffer happens in the consumer's thread, at memory speed, while the network
+keeps filling the next ranges. Tensors larger than a range (or than the whole memory
+limit) are assembled piece by piece straight into their destination.
+
+Order: files in index/listing order (shard names sort naturally), tensors within a file
+by offset. Byte order: safetensors is little-endian, as are the hosts torch runs on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch
+
+from ..errors import MismatchError
+from ..prefetch import MemoryBudget, Prefetcher, Read
+from .cache import DiskCache
+from .device import Destination
+from .distributed import ReadOnceFeed, check_group, describe_collectively
+from .format import TensorInfo, torch_dtype
+from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
+from .options import StreamOptions
+from .ranges import cut_reads
+from .source import ByteSource, list_files, open_store
+
+log = logging.getLogger(__name__)
+
+
+class Waiter(Protocol):
+    """What the iterator needs of whoever fills its reads (Prefetcher or ReadOnceFeed)."""
+
+    def at_file(self, file_index: int) -> None: ...
+    def wait(self, read: Read) -> bytes | bytearray | memoryview: ...
+    def release(self, read: Read) -> None: ...
+    def close(self) -> None: ...
+
+
+def _convert(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Cast floating-point weights only: integer, bool and FP8 (quantised) tensors keep theirs."""
+    if dtype is None or not t.is_floating_point() or t.element_size() < 2 or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+class SafetensorsStream:
+    """Iterator of ``(name, tensor)`` over safetensors files; see :func:`stream_safetensors`.
+
+    ``stats`` reports what the stream did: ``bytes_fetched``/``requests`` from the object
+    store, ``cache_hits``, ``peak_bytes_held`` (never above ``memory_limit``), and more.
+    """
+
+    def __init__(self, spec: str | Sequence[str], options: StreamOptions | None = None,
+                 **kwargs: Any) -> None:
+        began = time.monotonic()
+        opts = replace(options or StreamOptions(), **kwargs)
+        self.options = opts
+        self.device = torch.device(opts.device)
+        self.dtype = opts.dtype
+        self._group = opts.process_group
+        self._dist = opts.process_group is not None and check_group(opts.process_group) > 1
+        if not isinstance(spec, str) and not spec:
+            raise ValueError("stream_safetensors needs a URL, a directory or a non-empty list of URLs")
+        first = spec if isinstance(spec, str) else spec[0]
+        prof = opts.settings(first)
+        self.profile = prof
+        # Reads are at most a quarter of the budget so several fly at once; an eighth when
+        # distributed, where the broadcaster holds two more (see distributed).
+        self.piece = max(1, min(prof.chunk_size, prof.memory_limit // (8 if self._dist else 4)))
+        self.probe = min(HEADER_PROBE, self.piece)
+        self.budget = MemoryBudget(prof.memory_limit)
+        store = open_store(first, opts.storage_options, prof.streams)
+        cache = DiskCache(opts.cache_dir, opts.cache_max_bytes) if opts.cache_dir else None
+        self.source = ByteSource(store, cache)
+        self.stats: dict[str, Any] = {"memory_limit": prof.memory_limit, "streams": prof.streams,
+                                      "chunk_size": self.piece, "lookahead": prof.lookahead}
+        self.files: list[StreamFile] = []
+        self._reads: list[list[Read]] = []
+        self._waiter: Waiter | None = None
+        self._started = False
+        try:
+            if self._dist:
+                self.files = describe_collectively(self._group, lambda: self._describe(spec),
+                                                   self.source)
+            else:
+                self.files = self._describe(spec)
+            self._wanted = self._select(opts.names)
+            self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams)
+            self._tails = self._keep_tails()
+        except BaseException:
+            self.close()
+            raise
+        self.stats["setup_seconds"] = time.monotonic() - began
+
+    def _describe(self, spec: str | Sequence[str]) -> list[StreamFile]:
+        entries, weight_map = list_files(self.source, spec, self.options.cache_validate)
+        budget, max_header = self.budget, self.options.max_header_size
+        files = self.source.store.map(
+            lambda e: fetch_header(self.source, e, self.probe, max_header, budget), entries)
+        _check_weight_map(files, weight_map, self.source)
+        return files
+
+    def _select(self, names: Sequence[str] | None) -> list[list[TensorInfo]]:
+        """The tensors to yield, per file; fails before any data moves if one cannot be."""
+        if names is None:
+            selected = [list(f.header.tensors) for f in self.files]
+        else:
+            wanted = set(names)
+            found = {t.name for f in self.files for t in f.header.tensors}
+            missing = sorted(wanted - found)
+            if missing:
+                raise MismatchError(f"tensors not in the checkpoint: {missing[:10]}"
+                                    f"{' ...' if len(missing) > 10 else ''}")
+            selected = [[t for t in f.header.tensors if t.name in wanted] for f in self.files]
+        for f, tensors in zip(self.files, selected):
+            for t in tensors:
+                torch_dtype(t.dtype, f"{self.source.url_of(f.entry)}: tensor {t.name!r}")
+        return selected
+
+    def _keep_tails(self) -> dict[int, bytes]:
+        """Serve the reads inside each kept header-GET tail from its bytes (see headers).
+
+        Alone, those reads are filled now; distributed, rank 0 heads them and forwards
+        these bytes (returned by read index, still reserved)."""
+        tails: dict[int, bytes] = {}
+        for f, reads in zip(self.files, self._reads):
+            for r, data in tail_slices(f, reads, self.source, self.budget):
+                if self._dist:
+                    tails[r.index] = data
+                else:
+                    r.reserved = True  # its share of the tail's reservation
+                    r.fill(data)
+        return tails
+
+    def _feed(self) -> Waiter:
+        """Start filling the reads: from storage alone, or once across the group's ranks."""
+        flat = [r for reads in self._reads for r in reads]
+        if self._dist:
+            feed = ReadOnceFeed(self._group, flat, self.source, self.budget, self.piece,
+                                self.profile.streams, self._tails)
+            self._waiter = feed
+            feed.start()
+            return feed
+        prefetcher = Prefetcher(flat, self.source.fetch, self.source.store.submit, self.budget,
+                                streams=self.profile.streams, lookahead=self.profile.lookahead)
+        self._waiter = prefetcher
+        prefetcher.start()
+        return prefetcher
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._started:
+            raise RuntimeError("a SafetensorsStream can be iterated once")
+        self._started = True
+        return self._generate()
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        began = time.monotonic()
+        dest = Destination(self.device, self.budget, self.piece)
+        try:
+            waiter = self._feed()
+            count = nbytes = 0
+            for fi, (f, tensors) in enumerate(zip(self.files, self._wanted)):
+                waiter.at_file(fi)
+                reads, ri = self._reads[fi], 0
+                for t in tensors:
+                    buf, ri = self._assemble(t, reads, ri, waiter, dest)
+                    count, nbytes = count + 1, nbytes + t.nbytes
+                    out = buf.view(torch_dtype(t.dtype, f.entry.path)).reshape(t.shape)
+                    yield t.name, _convert(out, self.dtype)
+                for r in reads[ri:]:
+                    waiter.wait(r)
+                    waiter.release(r)
+            self.stats.update(tensors=count, bytes_yielded=nbytes,
+                              stream_seconds=time.monotonic() - began)
+            log.debug("streamed %d tensors (%d bytes) from %d files: %s", count, nbytes,
+                      len(self.files), self.stats)
+        finally:
+            dest.close()
+            self.close()
+
+    def _assemble(self, t: TensorInfo, reads: list[Read], ri: int, waiter: Waiter,
+                  dest: Destination) -> tuple[torch.Tensor, int]:
+        buf = dest.new(t.nbytes)
+        pos = t.start
+        while pos < t.end:
+            r = reads[ri]
+            data = memoryview(waiter.wait(r))
+            if r.end <= pos:  # a read that only covers a skipped gap
+                waiter.release(r)
+                ri += 1
+                continue
+            end = min(t.end, r.end)
+            dest.copy(data[pos - r.start:end - r.start], buf, pos - t.start)
+            pos = end
+            if r.end <= t.end:
+                waiter.release(r)
+                ri += 1
+        dest.finish()
+        return buf, ri
+
+    def close(self) -> None:
+        """Stop prefetching and free buffers; safe to call more than once."""
+        if self._waiter is not None:
+            self._waiter.close()
+        self._waiter = None
+        self.stats.update(self.source.counters(), peak_bytes_held=self.budget.peak,
+                          files=len(self.files))
+        self.source.close()
+
+    def __enter__(self) -> SafetensorsStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_weight_map(files: Sequence[StreamFile], weight_map: dict[str, str] | None,
+                      source: ByteSource) -> None:
+    """An index that names a tensor its file lacks is a broken model: say so up front."""
+    if not weight_map:
+        return
+    by_name = {f.entry.path.rsplit("/", 1)[-1]: f for f in files}
+    for name, file in weight_map.items():
+        f = by_name.get(file)
+        if f is None or name not in f.header.by_name:
+            raise MismatchError(f"{source.store.url}: the index maps {name!r} to {file}, "
+                                "which does not contain it")
+
+
+def stream_safetensors(url_or_dir_or_list: str | Sequence[str], options: StreamOptions | None = None,
+                       **kwargs: Any) -> SafetensorsStream:
+    """Yield ``(name, tensor)`` for every tensor of a safetensors model, streaming.
+
+    ``url_or_dir_or_list``: one ``.safetensors`` file, a directory/prefix (with a
+    ``model.safetensors.index.json`` or just ``*.safetensors`` files), or a list of file
+    URLs. Options are the fields of :class:`StreamOptions`, as keywords (``device``,
+    ``dtype``, ``lookahead``, ``streams``, ``chunk_size``, ``memory_limit``,
+    ``storage_options``, ``process_group``, ``names``, ``profile``, ``cache_dir``,
+    ``cache_max_bytes``, ``cache_validate``, ...) or as one ``options`` object. Settings
+    left as None come from ``profile`` ("model-load", "small-files", a dict, or None for
+    the profile :func:`~ckptturbo.stream.calibrate.calibrate` saved for this endpoint,
+    else "model-load": 32 MiB ranges, 32 streams, lookahead 2, memory_limit 2 GiB).
+    ``process_group`` (gloo): every rank of the group gets every tensor while storage
+    serves each byte once (see ``distributed``); all ranks must pass the same arguments
+    and consume the whole stream. ``cache_dir`` enables the local-disk cache (see
+    ``cache``): a later load with the same settings makes no request at all. Pickle
+    checkpoints (.bin/.pt/...) are refused with FormatError.
+
+    Listing and headers are fetched when this is called; bytes flow while iterating.
+    The returned object is an iterator with ``.stats`` and ``.close()``.
+    """
+    return SafetensorsStream(url_or_dir_or_list, options, **kwargs)

@@ -1,0 +1,52 @@
+"""Which byte ranges of which files a stream reads, in the order it yields them. Pure.
+
+(Named apart from :func:`ckptturbo.plan.plan_reads`, which assigns DCP chunks to ranks.)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..prefetch import Read
+from .format import TensorInfo
+from .headers import StreamFile
+
+MiB = 1 << 20
+MIN_PIECE = 4 * MiB  # smallest read worth a round trip when files are cut for parallelism
+GAP_MERGE = 1 * MiB  # with names=, read through gaps up to this size rather than split a range
+
+
+def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]],
+              piece: int, probe: int, streams: int = 1) -> list[list[Read]]:
+    """Cut each file's needed bytes into reads on a fixed grid: [0, probe), then ``piece``s.
+
+    A fixed grid (rather than tensor-aligned ranges) keeps every read at most ``piece``
+    bytes, lets tensors of any size span reads, and makes read ranges (hence cache keys)
+    the same on every load with the same settings.
+    """
+    out, index = [], 0
+    for fi, (f, tensors) in enumerate(zip(files, wanted)):
+        # a file smaller than streams x piece is cut finer, down to MIN_PIECE, so that even
+        # one small file keeps several requests in flight
+        data = f.header.file_size - f.header.data_start
+        step = max(min(piece, MIN_PIECE), min(piece, -(-data // max(1, streams))))
+        reads = []
+        for a, b in _intervals(tensors):
+            pos = a
+            while pos < b:
+                cut = probe if pos < probe else probe + ((pos - probe) // step + 1) * step
+                end = min(b, cut)
+                reads.append(Read(index, fi, f.entry.path, pos, end))
+                index += 1
+                pos = end
+        out.append(reads)
+    return out
+
+
+def _intervals(tensors: Sequence[TensorInfo]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.start):
+        if merged and t.start - merged[-1][1] <= GAP_MERGE:
+            merged[-1][1] = max(merged[-1][1], t.end)
+        else:
+            merged.append([t.start, t.end])
+    return [(a, b) for a, b in merged]
