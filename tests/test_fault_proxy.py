@@ -115,7 +115,7 @@ def test_black_hole_never_answers(s3_server, objects):
         began = time.monotonic()
         with pytest.raises(ReadTimeoutError):
             get(c, s3_server.bucket, objects["small"])
-        assert TIMEOUT_S <= time.monotonic() - began < TIMEOUT_S + 2
+        assert TIMEOUT_S <= time.monotonic() - began < TIMEOUT_S + 5
         assert proxy.stats().bytes_down == 0 and proxy.stats().bytes_up == 0
 
 
@@ -139,8 +139,12 @@ def test_stall_upload_goes_silent_in_the_middle_of_the_body(s3_server, objects):
     key = objects["blob"] + ".stalled"
     with FaultProxy(s3_server.endpoint, faults=Faults(stall_upload=1.0)) as proxy:
         c = client(proxy.endpoint, s3_server)
-        with pytest.raises(ReadTimeoutError):
+        began = time.monotonic()
+        # the client times out waiting for the answer, or, when the rest of the body does not
+        # fit in the socket buffers, while sending it (botocore calls that "closed")
+        with pytest.raises((ReadTimeoutError, ConnectionClosedError)):
             c.put_object(Bucket=s3_server.bucket, Key=key, Body=BLOB)
+        assert time.monotonic() - began >= TIMEOUT_S  # a stall, not a close
         assert get(c, s3_server.bucket, objects["small"]) == b"x" * 1000  # no body: passes
         (event,) = proxy.events()
         assert event.fault == "stall_upload" and event.method == "PUT" and event.offset < len(BLOB)
@@ -284,7 +288,7 @@ def test_stop_ends_silent_connections_and_every_thread(s3_server, objects):
     time.sleep(0.3)
     began = time.monotonic()
     proxy.stop()
-    assert time.monotonic() - began < 3
+    assert time.monotonic() - began < 5
     held.settimeout(2)
     assert held.recv(100) == b""  # the proxy closed it
     held.close()

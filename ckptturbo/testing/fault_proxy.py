@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("error_500", "slow_down", "reset", "black_hole", "stall_upload",
                "stall_download", "truncate", "flip_byte")
-RESPONSE_FAULTS = frozenset({"stall_download", "truncate", "flip_byte"})
 
 
 @dataclass(frozen=True)

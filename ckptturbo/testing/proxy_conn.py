@@ -24,6 +24,8 @@ from .http_wire import (
 if TYPE_CHECKING:
     from .fault_proxy import Decision, FaultProxy
 
+RESPONSE_FAULTS = frozenset({"stall_download", "truncate", "flip_byte"})
+
 _POLL_S = 0.25  # how often a silent (faulted) connection looks at the proxy and its client
 _FINISH_S = 30.0  # how long a closing connection waits for its last answers to go out
 
@@ -51,6 +53,13 @@ def s3_error(kind: str, resource: str, request_id: str, head_only: bool,
     return head if head_only else head + body
 
 
+def _fault_offset(reader: Reader, size: int | None, decision: "Decision") -> int | None:
+    """Where in a body a body fault acts: in the body, or in the first chunk of a chunked
+    body (``size`` None; the chunk-size line is peeked, not consumed); None if it is empty."""
+    span = size if size is not None else chunk_size(reader.peek_line())
+    return decision.offset(span) if span > 0 else None
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A request the response thread must answer, in order."""
@@ -63,6 +72,8 @@ class _Pending:
 
 
 class Connection:
+    """A client connection and its own connection to the server, with their two threads."""
+
     def __init__(self, proxy: "FaultProxy", client: socket.socket, server: socket.socket) -> None:
         self.proxy = proxy
         self.client = client
@@ -159,11 +170,11 @@ class Connection:
         self._pending.put(_Pending(method, target, decision))
         self.to_server.send(head.raw)
         size = head.content_length
-        has_body = head.is_chunked or bool(size)
         stop_at = None
-        if fault == "stall_upload" and has_body:
-            stop_at = decision.offset(size or 0)
-            self.proxy.record(method, target, fault, stop_at)
+        if fault == "stall_upload" and (head.is_chunked or size):
+            stop_at = _fault_offset(reader, size, decision)
+            if stop_at is not None:
+                self.proxy.record(method, target, fault, stop_at)
         if head.is_chunked:
             complete = copy_chunked(reader, self.to_server, stop_at=stop_at)
         else:
@@ -232,15 +243,13 @@ class Connection:
             self._answered()
             return False
         stop_at = flip_at = None
-        if fault in ("stall_download", "truncate", "flip_byte"):
-            first = size if size is not None else chunk_size(reader.peek_line())
-            offset = item.decision.offset(first)
-            if first > 0:
-                self.proxy.record(item.method, item.target, fault, offset)
-                if fault == "flip_byte":
-                    flip_at = offset
-                else:
-                    stop_at = offset
+        offset = _fault_offset(reader, size, item.decision) if fault in RESPONSE_FAULTS else None
+        if offset is not None:
+            self.proxy.record(item.method, item.target, fault, offset)
+            if fault == "flip_byte":
+                flip_at = offset
+            else:
+                stop_at = offset
         if head.is_chunked:
             complete = copy_chunked(reader, self.to_client, stop_at=stop_at, flip_at=flip_at)
         else:
