@@ -33,7 +33,8 @@ to at most 1):
 * ``stall_download``: part-way through the response body the proxy stops sending and
   stays silent, the connection open (mid-download partition).
 * ``truncate``: the response body is cut short and the connection closed.
-* ``flip_byte``: one byte of the response body is inverted.
+* ``flip_byte``: one byte of the response body is inverted (a client that validates
+  response checksums, as recent botocore does by default, reports a checksum mismatch).
 
 Response faults apply only to responses with a body; the offset where a body fault acts
 is drawn uniformly in the body (in the first chunk of a chunked body). ``Faults.methods``
@@ -41,8 +42,9 @@ and ``Faults.path_contains`` restrict faults to matching requests.
 
 Reproducible: the draw for a request depends only on the seed, the request (method,
 path, query without ``uploadId``, Range) and how many identical requests came before it,
-not on timing or on the interleaving of concurrent connections. A retried request is a
-new draw, so retries get through at rates below 1.
+not on timing or on the interleaving of concurrent connections (only identical requests
+in flight at once may swap their draws). A retried request is a new draw, so retries get
+through at rates below 1.
 
 Outages (:class:`Outage`), switchable while running, apply to every request: ``SLOW_DOWN``
 answers 503, ``REFUSE`` closes the listening port (connection refused; open connections
