@@ -20,15 +20,14 @@ import argparse
 import datetime
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ckptturbo.broadcast import ChainBroadcaster, Transfer
+from ckptturbo.testing.launcher import run_distributed
 
 
 def _sync(device: torch.device) -> None:
@@ -109,18 +108,11 @@ def _report(rows: list[tuple], args: argparse.Namespace, backend: str, world: in
               f"{t_chain:>10.3f}{size / t_chain / 1e9:>8.2f}{t_bcast / t_chain:>7.2f}x")
 
 
-def _worker(rank: int, world: int, backend: str, init: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))
+def _worker(rank: int, world: int, backend: str, args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     rows = _measure(rank, world, args, device)
     if rank == 0:
         _report(rows, args, backend, world)
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -134,11 +126,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun: the process group comes from the environment
-        dist.init_process_group(backend)
-        _worker(dist.get_rank(), dist.get_world_size(), backend, "env://", args)
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+        _worker(dist.get_rank(), dist.get_world_size(), backend, args)
+        dist.destroy_process_group()
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.world, backend, f"file://{tmp}/store", args), nprocs=args.world)
+    run_distributed(_worker, args.world, backend, args, backend=backend, timeout=600)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from .common import Report, quiet
+from .measure import quiet
+from .report import Report
 
 SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1024,
            "one-big-replicated": 1024, "incremental": 1024, "async-stall": 1024,

@@ -4,7 +4,7 @@
 
 One process saves 256 MiB (16 tensors of 16 MiB) and reports the median over ``--reps`` of
 
-(a) the stall of ``ct.save`` to S3 (SeaweedFS on loopback behind ``benchmarks.latency_proxy``,
+(a) the stall of ``ct.save`` to S3 (SeaweedFS on loopback behind ckptturbo.testing's fault proxy,
     which adds ``--latency-ms`` before every request),
 (b) the stall of the same save to a local directory,
 (c) a bare copy of the state into preallocated host buffers (the floor: what staging is),
@@ -22,8 +22,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -32,7 +30,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import embedded_s3
+from ckptturbo.testing import embedded_s3
+from ckptturbo.testing.proxy_process import ProxyProcess
 
 log = logging.getLogger("benchmarks.save_stall")
 MiB = 1 << 20
@@ -42,27 +41,6 @@ def build_state(tensors: int, tensor_mib: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {f"layer{i}.weight": torch.randn(tensor_mib * MiB // 4, generator=g)
             for i in range(tensors)}
-
-
-def start_proxy(upstream: str, latency_ms: float, conn_mbps: float) -> tuple[subprocess.Popen, int]:
-    """The latency proxy in a child process; it prints its port, and exits with us."""
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.latency_proxy", "--upstream", upstream,
-                             "--latency-ms", str(latency_ms), "--conn-mbps", str(conn_mbps),
-                             "--idle-exit", "600"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("PORT "):
-        proc.kill()
-        raise RuntimeError(f"the latency proxy did not start: {line!r}")
-    return proc, int(line.split()[1])
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def ct_save_stall(sd: dict[str, torch.Tensor], url: str, opts: dict[str, Any] | None) -> float:
@@ -130,9 +108,9 @@ def main() -> None:
     server = embedded_s3.start(os.path.join(work, "s3"))
     proxy = None
     try:
-        proxy, port = start_proxy(server.endpoint.removeprefix("http://"), args.latency_ms,
-                                  args.conn_mbps)
-        s3_opts = dict(server.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
+        proxy = ProxyProcess(server.endpoint, latency_s=args.latency_ms / 1000,
+                             conn_rate=args.conn_mbps * 1e6)
+        s3_opts = proxy.storage_options(server.storage_options)
         s3_run, local_run = server.url("stall"), os.path.join(work, "local", "run")
         sd = build_state(args.tensors, args.tensor_mib)
         dest = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -154,7 +132,7 @@ def main() -> None:
         samples = measure(args.reps, variants, perturb, args.settle)
     finally:
         if proxy is not None:
-            stop(proxy)
+            proxy.stop()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 

@@ -7,10 +7,13 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from .common import (
-    Backend, MiB, Report, barrier_time, digests, distcp_bytes_per_rank, environment, gather,
-    mismatches, now, one_big_state, reset_fsspec_caches, run_ranks, storage_ceiling,
-    tensor_nbytes, transformer_state, zero_,
+from ckptturbo.testing.launcher import run_distributed
+
+from .measure import barrier_time, gather, now, rank_options
+from .report import Report
+from .states import MiB, digests, mismatches, one_big_state, tensor_nbytes, transformer_state, zero_
+from .storage import (
+    Backend, distcp_bytes_per_rank, environment, reset_fsspec_caches, storage_ceiling,
 )
 
 log = logging.getLogger("benchmarks")
@@ -77,7 +80,8 @@ def _replicated(args: Any, kind: str, name: str, state_kind: str) -> Report:
     report = Report(name, {"size_mb": args.size_mb, "ranks": args.ranks, "reps": args.reps})
     with environment(kind, args.workdir, args.conn_mbps) as env:
         be = env.backend
-        res = run_ranks(_save_rank, args.ranks, be, state_kind, size, args.reps)[0]
+        res = run_distributed(_save_rank, args.ranks, be, state_kind, size, args.reps,
+                              **rank_options(args.ranks))[0]
         ceiling = storage_ceiling(be, min(256 * MiB, max(32 * MiB, size))) if kind == "s3" else None
     report.raw.update(res)
     unique = res["unique_bytes"]
@@ -188,8 +192,10 @@ def grouped_load(args: Any) -> Report:
     report = Report("grouped-load", {"size_mb": args.size_mb, "ranks": world, "reps": args.reps})
     with environment("s3", args.workdir, args.conn_mbps) as s3, environment("local", args.workdir) as local:
         backends = {"s3": s3.backend, "local": local.backend}
-        big = run_ranks(_load_rank, world, backends, size, args.reps, None, SIDES)[0]
-        few = run_ranks(_load_rank, small, backends, size, args.reps, big["urls"], ("ckptturbo",))[0]
+        big = run_distributed(_load_rank, world, backends, size, args.reps, None, SIDES,
+                              **rank_options(world))[0]
+        few = run_distributed(_load_rank, small, backends, size, args.reps, big["urls"],
+                              ("ckptturbo",), **rank_options(small))[0]
         ceiling = storage_ceiling(s3.backend, min(256 * MiB, max(32 * MiB, size)))
     report.raw["storage_ceiling"] = ceiling
     report.raw.update({f"{world}_ranks": big, f"{small}_ranks": few})

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .common import (
-    MiB, Report, RssSampler, alternate, environment, mismatches, digests, now,
-    reset_fsspec_caches, run_isolated, storage_ceiling, tensor_nbytes, transformer_state, zero_,
-    zeros_like,
-)
+from ckptturbo.testing.launcher import run_isolated
+
+from .measure import RssSampler, alternate, now, rank_setup
+from .report import Report
+from .states import MiB, digests, mismatches, tensor_nbytes, transformer_state, zero_, zeros_like
+from .storage import environment, reset_fsspec_caches, storage_ceiling
 
 log = logging.getLogger("benchmarks")
 
@@ -305,7 +306,7 @@ def async_stall(args: Any) -> Report:
                                     "pool_mb": args.pool_mb})
     pool = args.pool_mb * MiB if args.pool_mb else None
     variants = {v: (lambda rep, v=v: run_isolated(_stall_variant, v, size, args.workdir, pool,
-                                                  timeout=600)) for v in STALL_VARIANTS}
+                                                  timeout=600, setup=rank_setup)) for v in STALL_VARIANTS}
     res = alternate(args.reps, variants, key="steady_stall")
     # durable times: best of the samples independently of stall
     best = {v: r["best"] for v, r in res.items()}

@@ -10,8 +10,9 @@ Compares, in one run and on the same objects:
   local ckptturbo / local safetensors   the same files from local disk (page cache): the
                  ceiling (safetensors.torch.load of the file's bytes: load_file would only mmap)
 
-SeaweedFS runs on loopback behind benchmarks.latency_proxy, which adds a first-byte
-delay per request and caps each connection's bandwidth, like a remote object store.
+SeaweedFS runs on loopback behind ckptturbo.testing's fault proxy (no faults, in a process
+of its own), which adds a first-byte delay per request and caps each connection's
+bandwidth, like a remote object store.
 Each method runs in a fresh subprocess (clean memory measurement: peak RSS above the
 process's baseline just before loading). Tensors are dropped as they arrive.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -162,28 +162,6 @@ def run_method(method: str, spec: dict[str, Any], timeout: float) -> dict[str, A
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def start_proxy(upstream: str, args: argparse.Namespace, stats_file: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.latency_proxy", "--upstream", upstream,
-                             "--latency-ms", str(args.latency_ms), "--conn-mbps", str(args.conn_mbps),
-                             "--stats-file", stats_file, "--idle-exit", "600"],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("PORT "):
-        proc.kill()
-        raise RuntimeError(f"the latency proxy did not start: {line!r}")
-    return proc, int(line.split()[1])
-
-
-def proxy_stats(proc: subprocess.Popen, stats_file: str, reset: bool) -> dict[str, Any]:
-    if reset:
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        return {}
-    time.sleep(0.5)  # one more stats write
-    with open(stats_file) as f:
-        return json.load(f)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description="stream safetensors from S3 through a slow link")
     p.add_argument("--size-mb", type=int, default=2048)
@@ -203,8 +181,9 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker, json.loads(args.spec))), flush=True)
         return
 
-    from ckptturbo import embedded_s3
     from ckptturbo.store import Store
+    from ckptturbo.testing import embedded_s3
+    from ckptturbo.testing.proxy_process import ProxyProcess
 
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ckptturbo-bench-") as tmp, embedded_s3.running() as s3:
@@ -217,10 +196,10 @@ def main() -> None:
                 store.put(store.join(store.root, os.path.basename(path)), f.read())
         store.close()
         total = sum(os.path.getsize(f) for f in files)
-        stats_file = os.path.join(tmp, "proxy.json")
-        proxy, port = start_proxy(s3.endpoint.split("//", 1)[1], args, stats_file)
-        endpoint = f"http://127.0.0.1:{port}"
-        options = {"key": s3.key, "secret": s3.secret, "client_kwargs": {"endpoint_url": endpoint}}
+        proxy = ProxyProcess(s3.endpoint, latency_s=args.latency_ms / 1000,
+                             conn_rate=args.conn_mbps * 1e6)
+        endpoint = proxy.endpoint
+        options = proxy.storage_options(s3.storage_options)
         spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
                 "local_files": files, "storage_options": options, "endpoint": endpoint,
                 "direct_options": s3.storage_options,
@@ -234,15 +213,14 @@ def main() -> None:
                         continue
                     remote = not method.startswith("local") and "no proxy" not in method
                     if remote:
-                        proxy_stats(proxy, stats_file, reset=True)
+                        proxy.control.reset_stats()
                     print(f"[{attempt + 1}/{args.repeat}] {method} ...", flush=True)
                     result = run_method(method, spec, args.timeout)
                     if remote and "unavailable" not in result:
-                        result["proxy"] = proxy_stats(proxy, stats_file, reset=False)
+                        result["proxy"] = proxy.control.stats().to_json()
                     runs[method].append(result)
         finally:
-            proxy.terminate()
-            proxy.wait(timeout=10)
+            proxy.stop()
         rows = [(m, median_run(r)) for m, r in runs.items()]
         print_table(rows, total, args)
         plot(rows, os.path.join(args.out, "stream_s3.png"), args)
@@ -276,7 +254,7 @@ def print_table(rows: list[tuple[str, dict]], total: int, args: argparse.Namespa
             continue
         gbps = r["bytes"] / r["seconds"] / 1e9
         ratio = f"{naive / r['seconds']:.2f}x" if naive else "-"
-        conns = r.get("proxy", {}).get("peak_concurrent")
+        conns = r.get("proxy", {}).get("peak_in_flight")
         of_cap = f"{gbps * 1e3 / (conns * args.conn_mbps):.0%}" if conns else "-"
         print(f"{method:<18} {r['seconds']:>8.2f} {gbps:>7.3f} {ratio:>9} {conns or '-':>6} "
               f"{of_cap:>7} {r['peak_mem'] / MiB:>6.0f} MiB {r['cpu_s']:>6.1f}")

@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ckptturbo as ct
-from ckptturbo import catalog, embedded_s3
+from ckptturbo import catalog
+from ckptturbo.testing import embedded_s3
 
 log = logging.getLogger("demo")
 

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ckptturbo import embedded_s3  # noqa: E402
+from ckptturbo.testing import embedded_s3  # noqa: E402
 
 
 @pytest.fixture(scope="session")

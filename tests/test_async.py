@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import ckptturbo as ct
 from ckptturbo.staging import HostBufferPool
-from distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 
 
 def state(seed: int = 0, n: int = 6, rows: int = 256) -> dict:

@@ -13,7 +13,7 @@ import torch
 from ckptturbo.broadcast import (ChainBroadcaster, Transfer, alloc_step, last_step, npieces,
                                  plan_schedule)
 from ckptturbo.errors import CommunicationError, IntegrityError, PlanError
-from tests.distributed import RankFailure, run_distributed
+from ckptturbo.testing.launcher import RankFailure, run_distributed
 
 PIECE = 64 << 10
 # Both directions between the same pair, sizes 0, 1, piece edges, chains of one rank.

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import ckptturbo as ct
 from ckptturbo import catalog, chunk_index
 from ckptturbo.layout import Location
-from distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 
 
 def tensors(seed: int) -> dict:

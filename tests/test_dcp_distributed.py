@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptturbo as ct
 from ckptturbo.layout import Location
-from distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 
 CHUNK = 256 << 10
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 import ckptturbo as ct
 from ckptturbo.broadcast import ChainBroadcaster, Transfer, source_order
 from ckptturbo.prefetch import MemoryBudget, Prefetcher, Read
-from tests.distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 
 
 def test_a_read_larger_than_the_budget_goes_alone_instead_of_stalling() -> None:

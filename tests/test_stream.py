@@ -25,7 +25,7 @@ from ckptturbo.stream.profiles import PROFILES, load_saved
 from ckptturbo.stream.format import header_length, parse_header
 from ckptturbo.store import Store
 from ckptturbo.stream import safe_open, stream_safetensors
-from tests.distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 
 MiB = 1 << 20
 

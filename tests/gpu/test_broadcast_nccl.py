@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from ckptturbo.testing.launcher import run_distributed
 from tests.test_broadcast import (check_four_rank_results, check_two_rank_results, four_rank_job,
                                   two_rank_job)
 

@@ -1,9 +1,13 @@
-"""Run a function in N real processes joined by a torch.distributed process group.
+"""Run a function in N real processes, joined by a torch.distributed process group or alone.
 
-Tests use real processes rather than mocks because the failure modes that matter
-(ordering of point-to-point operations, dead peers, timeouts) only exist between real
-processes. Everything here is bounded in time: a child that hangs is killed by PID, so a
-broken test fails instead of wedging CI.
+The one multi-process launcher of the tests and the benchmarks. Tests use real processes
+rather than mocks because the failure modes that matter (ordering of point-to-point
+operations, dead peers, timeouts) only exist between real processes; they may also expect
+ranks to fail and inspect each :class:`RankFailure`. Benchmarks run their ranks the same
+way, and measure memory in a fresh process of their own with :func:`run_isolated`.
+
+Everything here is bounded in time: a child that hangs is killed by PID, so a broken test
+fails instead of wedging CI, and a broken benchmark reports instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -75,33 +79,51 @@ def _parent_state() -> tuple[dict[str, str], str, list[str]]:
     return dict(os.environ), os.getcwd(), list(sys.path)
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, backend: str, init_file: str,
-           conn: multiprocessing.connection.Connection, timeout: float,
-           parent: tuple[dict[str, str], str, list[str]],
-           args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class _ChildSpec:
+    """What every child needs besides its rank (one picklable bundle)."""
+
+    fn: Callable[..., Any]
+    world_size: int
+    backend: str | None  # None: no process group
+    init_file: str
+    timeout: float
+    threads: int
+    setup: Callable[[int], None] | None
+    parent: tuple[dict[str, str], str, list[str]]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _child(spec: _ChildSpec, rank: int, conn: multiprocessing.connection.Connection) -> None:
     """Join the group, run fn, report (ok, value) or (error, exc, text) through the pipe.
 
     The process ends with os._exit so that no atexit handler or destructor of a half-dead
     process group can hang it after it has reported.
     """
-    environ, cwd, path = parent
+    environ, cwd, path = spec.parent
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
     sys.path[:] = path
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec.threads)
     code = 0
     try:
-        if backend == "nccl":
+        if spec.setup is not None:
+            spec.setup(rank)
+        if spec.backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-        value = fn(rank, world_size, *args, **kwargs)
+        if spec.backend is not None:
+            dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}",
+                                    rank=rank, world_size=spec.world_size,
+                                    timeout=datetime.timedelta(seconds=spec.timeout))
+        value = spec.fn(rank, spec.world_size, *spec.args, **spec.kwargs)
         conn.send(("ok", value))  # before teardown, so a hanging teardown cannot lose it
-        # No rank may exit while a peer still sets up its connections to it (gloo then
-        # fails that peer's init); after a failure this barrier fails or is killed instead.
-        dist.barrier()
-        dist.destroy_process_group()
+        if spec.backend is not None:
+            # No rank may exit while a peer still sets up its connections to it (gloo then
+            # fails that peer's init); after a failure this barrier fails or is killed instead.
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         code = 1
         conn.send(("error", _picklable(exc), traceback.format_exc()))
@@ -148,13 +170,16 @@ def _outcome(rank: int, proc: Any, message: tuple[Any, ...] | None) -> Any:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
-                    backend: str = "gloo", expect_failures: bool = False,
+                    backend: str | None = "gloo", expect_failures: bool = False,
+                    threads: int = 1, setup: Callable[[int], None] | None = None,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` fresh processes.
 
-    Each process (as clean as with spawn, see :func:`_start_context`) joins a ``backend``
-    process group (rendezvous through a temporary file, which avoids races on "free" TCP
-    ports); ``fn`` must be a module-level function and its return value picklable.
+    Each process (as clean as with spawn, see :func:`_start_context`) runs ``setup(rank)``
+    when given (benchmarks configure logging there), sets torch to ``threads`` threads and
+    joins a ``backend`` process group (rendezvous through a temporary file, which avoids
+    races on "free" TCP ports; ``backend=None``: no group, plain isolated processes).
+    ``fn`` and ``setup`` must be module-level functions and fn's return value picklable.
     Returns the per-rank return values. If a rank raises, dies, or does not finish within
     ``timeout`` seconds, the remaining processes are killed and the first failure is
     re-raised here (its exception type when picklable, with the child's traceback text as
@@ -163,6 +188,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     ctx = _start_context(fn)
     tmpdir = tempfile.mkdtemp(prefix="ckptturbo-dist-")
+    spec = _ChildSpec(fn, world_size, backend, os.path.join(tmpdir, "store"), timeout, threads,
+                      setup, _parent_state(), args, kwargs)
     procs, conns = [], []
     try:
         for rank in range(world_size):
@@ -170,8 +197,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             # Not daemonic: DCP's PROCESS async mode starts a child of its own; stragglers
             # are still killed by PID in the finally block below.
             proc = ctx.Process(target=_child, daemon=False, name=f"rank{rank}",
-                               args=(fn, rank, world_size, backend, os.path.join(tmpdir, "store"),
-                                     writer, timeout, _parent_state(), args, kwargs))
+                               args=(spec, rank, writer))
             proc.start()
             writer.close()
             procs.append(proc)
@@ -190,6 +216,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if not expect_failures:
         _raise_first_failure(outcomes)
     return outcomes
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 900,
+                 setup: Callable[[int], None] | None = None, **kwargs: Any) -> Any:
+    """``fn(0, 1, *args, **kwargs)`` in one fresh process without a process group, with every
+    CPU for torch: what a benchmark needs to measure a run's memory from a clean start."""
+    return run_distributed(fn, 1, *args, timeout=timeout, backend=None, setup=setup,
+                           threads=os.cpu_count() or 1, **kwargs)[0]
 
 
 def _raise_first_failure(outcomes: list[Any]) -> None:
