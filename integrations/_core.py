@@ -1,0 +1,169 @@
+"""What every adapter needs from ckptturbo, built only on its public surface.
+
+* ``save_tree``: save a nested checkpoint dict asynchronously, either collectively (every
+  rank of the group calls it, through ``ct.save``) or from this process alone (Lightning
+  saves on global rank 0 only, while the other ranks train on: a collective save would
+  hang there, so this process runs DCP without a process group).
+* ``load_tree``: the template-free load: the whole nested dict rebuilt from the manifest,
+  read once and forwarded when every rank of a group calls it.
+* ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import ckptturbo as ct
+from ckptturbo import catalog
+
+from ._tree import flatten, unflatten
+
+log = logging.getLogger(__name__)
+
+_local_writers: dict[tuple, ct.TurboWriter] = {}
+_local_inflight: dict[int, ct.SaveHandle] = {}
+_lock = threading.Lock()
+
+
+def _flat_planner() -> DefaultSavePlanner:
+    # The tree is flattened already (with its skeleton); DCP must not flatten it again.
+    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def save_tree(state: Mapping[str, Any], url: str, *, storage_options: dict[str, Any] | None = None,
+              collective: bool = True, process_group: Any = None,
+              **writer_options: Any) -> ct.SaveHandle:
+    """Start an async save of a nested dict; returns a handle with ``staged``/``durable``.
+
+    collective=True: every rank of ``process_group`` calls it (``ct.save``). False: this
+    process alone saves, whatever the process group is doing.
+    """
+    flat = flatten(state)
+    if collective:
+        return ct.save(flat, str(url), process_group=process_group, storage_options=storage_options,
+                       planner=_flat_planner(), **writer_options)
+    return _save_alone(flat, str(url), storage_options, writer_options)
+
+
+def _save_alone(flat: dict[str, Any], url: str, storage_options: dict[str, Any] | None,
+                writer_options: dict[str, Any]) -> ct.SaveHandle:
+    run = url.rstrip("/").rsplit("/", 1)[0]
+    key = (run, repr(sorted((storage_options or {}).items())), repr(sorted(writer_options.items())))
+    with _lock:
+        writer = _local_writers.get(key)
+        if writer is None:
+            writer = _local_writers[key] = ct.TurboWriter(url, storage_options, snapshot=True,
+                                                          **writer_options)
+    previous = _local_inflight.get(id(writer))
+    if previous is not None:
+        try:  # one save per writer at a time; its own failure is reported by its handle
+            previous.durable.result()
+        except Exception:  # noqa: BLE001
+            pass
+    handle = ct.SaveHandle(url)
+    _local_inflight[id(writer)] = handle
+
+    def staged() -> None:
+        if not handle.staged.done():
+            handle.staged.set_result(None)
+
+    def run_save() -> None:
+        writer.reset(url)
+        writer.on_staged = staged
+        try:
+            dcp.save(flat, storage_writer=writer, planner=_flat_planner(), no_dist=True)
+            staged()
+            handle.durable.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the futures
+            exc = _unwrap(exc)
+            if not handle.staged.done():
+                handle.staged.set_exception(exc)
+            handle.durable.set_exception(exc)
+        finally:
+            writer.on_staged = None
+
+    threading.Thread(target=run_save, name="ckptturbo-adapter-save", daemon=True).start()
+    return handle
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """DCP wraps a rank's failure in a CheckpointException; surface ckptturbo's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
+
+
+def load_tree(url: str, *, storage_options: dict[str, Any] | None = None, grouped: bool = True,
+              process_group: Any = None, device: Any = "cpu", allow_pickle: bool = False,
+              **reader_options: Any) -> dict[str, Any]:
+    """The whole nested dict of a checkpoint, no template needed.
+
+    grouped=True inside a process group: every rank of it must call this; each chunk is
+    read from storage once and forwarded (TurboReader's grouped load). grouped=False reads
+    from this process alone. Objects load with torch's restricted unpickler unless
+    ``allow_pickle`` (only for checkpoints from a trusted source).
+    """
+    use_group = grouped and dist.is_available() and dist.is_initialized()
+    reader = ct.TurboReader(str(url), storage_options, process_group=process_group if use_group else None,
+                            allow_pickle=allow_pickle, **reader_options)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        else:
+            flat[key] = None
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        dcp.load(flat, storage_reader=reader, planner=planner,
+                 process_group=process_group if use_group else None, no_dist=not use_group)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        inner = _unwrap(exc)
+        if inner is exc:
+            raise
+        raise inner from exc
+    return unflatten(flat, metadata.planner_data, str(url))
+
+
+def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (its manifest exists)."""
+    try:
+        ct.TurboReader(str(url), storage_options).read_manifest()
+    except ct.CheckpointNotFound:
+        return False
+    return True
+
+
+def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Make a checkpoint cease to exist (its manifest goes; chunks wait for gc)."""
+    ct.delete(str(url), storage_options=storage_options)
+
+
+def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
+
+    The one place adapters reach the catalog, so it can be repointed in one line.
+    """
+    try:
+        catalog.collect_garbage(str(run_url), storage_options)
+    except ct.SaveInProgress as exc:
+        log.info("gc of %s postponed: %s", run_url, exc)
+        return False
+    return True
+
+
+def run_of(url: str) -> str:
+    """The run (chunk store) a checkpoint URL belongs to: its parent."""
+    return str(url).rstrip("/").rsplit("/", 1)[0]
