@@ -107,21 +107,28 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def load_tree(url: str, *, storage_options: dict[str, Any] | None = None, grouped: bool = True,
               process_group: Any = None, device: Any = "cpu", allow_pickle: bool = False,
-              **reader_options: Any) -> dict[str, Any]:
+              templates: dict[str, Any] | None = None, **reader_options: Any) -> dict[str, Any]:
     """The whole nested dict of a checkpoint, no template needed.
 
     grouped=True inside a process group: every rank of it must call this; each chunk is
     read from storage once and forwarded (TurboReader's grouped load). grouped=False reads
     from this process alone. Objects load with torch's restricted unpickler unless
-    ``allow_pickle`` (only for checkpoints from a trusted source).
+    ``allow_pickle`` (only for checkpoints from a trusted source). ``templates`` maps flat
+    keys to tensors to load in place (a sharded model's own DTensors); the rest is allocated.
     """
     use_group = grouped and dist.is_available() and dist.is_initialized()
     reader = ct.TurboReader(str(url), storage_options, process_group=process_group if use_group else None,
                             allow_pickle=allow_pickle, **reader_options)
     metadata = reader.read_metadata()
+    missing = sorted(set(templates or ()) - set(metadata.state_dict_metadata))
+    if missing:
+        raise ct.MismatchError(f"checkpoint {url} lacks {len(missing)} entries the caller holds, "
+                               f"e.g. {missing[:5]}")
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
+        if templates and key in templates:
+            flat[key] = templates[key]
+        elif isinstance(md, TensorStorageMetadata):
             flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
         else:
             flat[key] = None
