@@ -171,6 +171,44 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None)
     return True
 
 
+class DeferredGC:
+    """Frees a run's unreferenced chunks off the training thread, once saves in flight are durable.
+
+    gc refuses to run while a save of the run is pending, so it waits for the handles it
+    was given; a run it could not collect is retried by the next ``schedule`` or ``finish``.
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = storage_options
+        self._runs: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, run_url: str, inflight: list[ct.SaveHandle]) -> None:
+        self._runs.add(run_url)
+        if self._thread is not None and self._thread.is_alive():
+            return  # the running pass picks up runs added meanwhile, or finish() does
+        self._thread = threading.Thread(target=self._collect, args=(list(inflight),),
+                                        name="ckptturbo-adapter-gc", daemon=True)
+        self._thread.start()
+
+    def _collect(self, inflight: list[ct.SaveHandle]) -> None:
+        for handle in inflight:
+            try:
+                handle.durable.result()
+            except Exception:  # noqa: BLE001 - the handle's owner reports it
+                pass
+        for url in sorted(self._runs):
+            if collect_garbage(url, self.storage_options):
+                self._runs.discard(url)
+
+    def finish(self) -> None:
+        """Wait for a running pass, then collect what is still due (call once saves are durable)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._collect([])
+
+
 def run_of(url: str) -> str:
     """The run (chunk store) a checkpoint URL belongs to: its parent."""
     return str(url).rstrip("/").rsplit("/", 1)[0]

@@ -12,13 +12,12 @@ storage is read once and forwarded between ranks.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins import CheckpointIO
 
-from ._core import collect_garbage, load_tree, remove, run_of, save_tree
+from ._core import DeferredGC, load_tree, remove, run_of, save_tree
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +44,7 @@ class TurboCheckpointIO(CheckpointIO):
         self.gc = gc
         self.writer_options = writer_options
         self._handles: list[Any] = []
-        self._gc_runs: set[str] = set()
-        self._gc_thread: threading.Thread | None = None
+        self._gc = DeferredGC(storage_options)
 
     def _options(self, extra: Any = None) -> dict[str, Any] | None:
         if not extra:
@@ -73,26 +71,7 @@ class TurboCheckpointIO(CheckpointIO):
         """Drop the checkpoint now; its unshared chunks are freed once in-flight saves are durable."""
         remove(str(path), self.storage_options)
         if self.gc:
-            self._gc_runs.add(run_of(str(path)))
-            self._start_gc()
-
-    def _start_gc(self) -> None:
-        if self._gc_thread is not None and self._gc_thread.is_alive():
-            return  # the running one picks up the runs added meanwhile
-        pending = list(self._handles)
-
-        def run() -> None:
-            for handle in pending:
-                try:
-                    handle.durable.result()
-                except Exception:  # noqa: BLE001 - raised to training by _raise_failed
-                    pass
-            for url in sorted(self._gc_runs):
-                if collect_garbage(url, self.storage_options):
-                    self._gc_runs.discard(url)
-
-        self._gc_thread = threading.Thread(target=run, name="ckptturbo-lightning-gc", daemon=True)
-        self._gc_thread.start()
+            self._gc.schedule(run_of(str(path)), self._handles)
 
     def _raise_failed(self) -> None:
         """Raise the first failure of an earlier save; forget the saves that finished."""
@@ -119,9 +98,4 @@ class TurboCheckpointIO(CheckpointIO):
             self._wait()
         finally:
             self._handles.clear()
-            if self._gc_thread is not None:
-                self._gc_thread.join()
-            if self.gc and self._gc_runs:
-                for url in sorted(self._gc_runs):
-                    if collect_garbage(url, self.storage_options):
-                        self._gc_runs.discard(url)
+            self._gc.finish()
