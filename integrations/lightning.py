@@ -99,3 +99,96 @@ class TurboCheckpointIO(CheckpointIO):
         finally:
             self._handles.clear()
             self._gc.finish()
+
+
+class _TurboShardedCheckpoints:
+    """Sharded save/load for strategies that bypass CheckpointIO, through their public methods.
+
+    Every rank saves its own shards collectively (``ckptturbo.save``), asynchronously; on
+    load the model's and optimizers' own sharded state dicts are the templates, so each
+    rank reads its shards (any resharding DCP supports), and the rest of Lightning's dict
+    is rebuilt without a template. Paths are plain strings, so ``s3://`` stays intact.
+    """
+
+    turbo_storage_options: dict[str, Any] | None = None
+
+    def _turbo_handles(self) -> list[Any]:
+        if not hasattr(self, "_turbo_inflight"):
+            self._turbo_inflight: list[Any] = []
+        return self._turbo_inflight
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        url = str(self.broadcast(str(filepath)))
+        handles = self._turbo_handles()
+        for handle in [h for h in handles if h.done()]:
+            handles.remove(handle)
+            if handle.durable.exception() is not None:
+                raise handle.durable.exception()
+        opts = {**(self.turbo_storage_options or {}), **dict(storage_options or {})} or None
+        handle = save_tree(checkpoint, url, storage_options=opts, collective=True)
+        handles.append(handle)
+        handle.staged.result()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+        from ._tree import SKELETON_KEY, flatten
+
+        url = str(self.broadcast(str(checkpoint_path)))
+        for handle in self._turbo_handles():
+            handle.durable.result()
+        optimizers = list(self.optimizers)
+        templates = flatten({"state_dict": get_model_state_dict(self.model),
+                             "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]})
+        templates.pop(SKELETON_KEY)
+        tree = load_tree(url, storage_options=self.turbo_storage_options, templates=templates,
+                         allow_pickle=weights_only is False)
+        set_model_state_dict(self.model, tree["state_dict"])
+        for opt, sd in zip(optimizers, tree.get("optimizer_states", [])):
+            set_optimizer_state_dict(self.model, opt, sd)
+        return tree
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded into the sharded model by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded into the sharded optimizers by load_checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove(str(filepath), self.turbo_storage_options)
+
+    def teardown(self) -> None:
+        try:
+            for handle in self._turbo_handles():
+                handle.wait()
+        finally:
+            self._turbo_handles().clear()
+            super().teardown()
+
+
+def _strategy(base: type) -> type:
+    class Turbo(_TurboShardedCheckpoints, base):  # type: ignore[valid-type, misc]
+        __doc__ = (f"``{base.__name__}`` saving sharded ckptturbo checkpoints (local or ``s3://``). "
+                   "Pass ``turbo_storage_options=`` for the object store.")
+
+        def __init__(self, *args: Any, turbo_storage_options: dict[str, Any] | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.turbo_storage_options = turbo_storage_options
+
+    Turbo.__name__ = Turbo.__qualname__ = f"Turbo{base.__name__}"
+    return Turbo
+
+
+def __getattr__(name: str) -> type:
+    """``TurboFSDPStrategy`` / ``TurboModelParallelStrategy``, built on first use."""
+    from lightning.pytorch import strategies
+
+    bases = {"TurboFSDPStrategy": "FSDPStrategy", "TurboModelParallelStrategy": "ModelParallelStrategy"}
+    if name not in bases:
+        raise AttributeError(name)
+    cls = _strategy(getattr(strategies, bases[name]))
+    globals()[name] = cls
+    return cls
