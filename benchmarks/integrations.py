@@ -77,7 +77,7 @@ def lightning_worker(io_name: str, mib: int, saves: int, workdir: str, out: str)
     io = {"torch": TorchCheckpointIO(), "async": AsyncCheckpointIO(TorchCheckpointIO()),
           "turbo": TurboCheckpointIO()}[io_name]
     timer = Timer()
-    data = DataLoader(TensorDataset(torch.randn(saves + 1, w)), batch_size=1)
+    data = DataLoader(TensorDataset(torch.randn(2 * (saves + 1), w)), batch_size=1)  # 2 ranks
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, plugins=[io],
                          callbacks=[timer], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

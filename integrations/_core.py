@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -207,6 +209,53 @@ class DeferredGC:
             self._thread.join()
             self._thread = None
         self._collect([])
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states; NumPy's key array as a tensor, so no full unpickling is needed."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)),
+                                                     pos, has_gauss, cached),
+             "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def native_rng_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved ``rng_state()`` in the form ``random``/``np.random`` setters take."""
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    return {**saved, "python": _tuples(saved["python"]),
+            "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)}
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    state = native_rng_state(saved)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's value on every rank, so that every rank saves the same tree."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
 
 
 def run_of(url: str) -> str:

@@ -2,7 +2,7 @@
 
 ``Accelerator.save_state`` writes local files only, synchronously, and under FSDP hard-codes
 ``FileSystemWriter``. These two functions cover what it covers (models, optimizers,
-schedulers, the grad scaler, every rank's RNG states, objects registered with
+schedulers, the grad scaler, every rank's RNG states (Python, NumPy, torch, CUDA), objects registered with
 ``register_for_checkpointing``, stateful dataloaders and sampler epochs, ``accelerator.step``)
 in one ckptturbo checkpoint, local or ``s3://``. Model and optimizer state go through
 ``torch.distributed.checkpoint.state_dict`` (plain, DDP and FSDP alike: sharded models
@@ -14,12 +14,8 @@ accessor exists); they are read here as ``Accelerator.save_state`` reads them.
 """
 from __future__ import annotations
 
-import random
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -29,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import ckptturbo as ct
 
-from ._core import load_tree, save_tree
+from ._core import all_ranks, load_tree, rank_and_world, rng_state, save_tree, set_rng_state
 from ._tree import flatten, SKELETON_KEY
 
 
@@ -42,39 +38,6 @@ def _pairs(accelerator: Any) -> list[tuple[Any, Any]]:
     models = _prepared(accelerator, "_models")
     return [(models[min(i, len(models) - 1)], getattr(opt, "optimizer", opt))
             for i, opt in enumerate(_prepared(accelerator, "_optimizers"))]
-
-
-def _rng_state() -> dict[str, Any]:
-    # numpy's state array becomes a tensor so the checkpoint loads without full unpickling
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)),
-                                                     pos, has_gauss, cached),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuples(state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _all_ranks(value: Any) -> list[Any]:
-    """Every rank's value on every rank, so each rank saves the same tree."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _loader_state(loader: Any) -> dict[str, Any]:
@@ -106,7 +69,7 @@ def save_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
         "dataloaders": [_loader_state(d) for d in _prepared(accelerator, "_dataloaders")],
         "scaler": scaler.state_dict() if scaler is not None else None,
         "custom": [o.state_dict() for o in _prepared(accelerator, "_custom_objects")],
-        "rng": _all_ranks(_rng_state()),
+        "rng": all_ranks(rng_state()),
         "step": int(accelerator.step),
     }
     handle = save_tree(state, str(url), storage_options=storage_options, collective=True,
@@ -148,11 +111,11 @@ def load_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
     _check_counts(url, "registered objects", tree["custom"], custom)
     for obj, sd in zip(custom, tree["custom"]):
         obj.load_state_dict(sd)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank, _ = rank_and_world()
     if rank >= len(tree["rng"]):
         raise ct.MismatchError(f"{url} holds RNG states of {len(tree['rng'])} processes; "
                                f"this is process {rank}")
-    _set_rng_state(tree["rng"][rank])
+    set_rng_state(tree["rng"][rank])
     accelerator.step = tree["step"]
 
 

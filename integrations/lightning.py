@@ -158,6 +158,9 @@ class _TurboShardedCheckpoints:
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             remove(str(filepath), self.turbo_storage_options)
+            if not hasattr(self, "_turbo_gc"):
+                self._turbo_gc = DeferredGC(self.turbo_storage_options)
+            self._turbo_gc.schedule(run_of(str(filepath)), self._turbo_handles())
 
     def teardown(self) -> None:
         try:
@@ -165,6 +168,8 @@ class _TurboShardedCheckpoints:
                 handle.wait()
         finally:
             self._turbo_handles().clear()
+            if hasattr(self, "_turbo_gc"):
+                self._turbo_gc.finish()
             super().teardown()
 
 

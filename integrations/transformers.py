@@ -22,47 +22,20 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 import ckptturbo as ct
 from ckptturbo import catalog
 
-from ._core import DeferredGC, exists, load_tree, remove, save_tree
+from ._core import (DeferredGC, all_ranks, exists, load_tree, native_rng_state, rank_and_world, remove,
+                    rng_state, save_tree)
 
 log = logging.getLogger(__name__)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)),
-                                                     pos, has_gauss, cached),
-             "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.random.get_rng_state_all()
-    return state
-
-
-def _gathered(value: Any) -> list[Any]:
-    rank, world = _world()
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
 
 
 class TurboCheckpointCallback(TrainerCallback):
@@ -102,7 +75,7 @@ class TurboCheckpointCallback(TrainerCallback):
         url = f"{self.root(args)}/checkpoint-{state.global_step}"
         tree: dict[str, Any] = {
             "model": _unwrap(model).state_dict(),
-            "rng": _gathered(_rng_state()),
+            "rng": all_ranks(rng_state()),
             "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
         }
         if not args.save_only_model:
@@ -189,26 +162,19 @@ class TurboTrainerMixin:
     def _turbo_materialize(self, url: str, local: str) -> None:
         """Write the checkpoint as the Trainer's own files, which its resume path reads."""
         tree = load_tree(url, storage_options=self.turbo.storage_options)
-        rank, world = _world()
+        rank, world = rank_and_world()
         torch.save(tree["model"], os.path.join(local, "pytorch_model.bin"))
         if tree.get("optimizer") is not None:
             torch.save(tree["optimizer"], os.path.join(local, "optimizer.pt"))
         if tree.get("scheduler") is not None:
             torch.save(tree["scheduler"], os.path.join(local, "scheduler.pt"))
         if rank < len(tree["rng"]):
-            rng = dict(tree["rng"][rank])
-            kind, keys, pos, has_gauss, cached = rng["numpy"]
-            rng["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
-            rng["python"] = _tuples(rng["python"])
+            rng = native_rng_state(tree["rng"][rank])
             name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
             torch.save(rng, os.path.join(local, name))
         with open(os.path.join(local, "trainer_state.json"), "w") as f:
             f.write(tree["trainer_state"])
         log.info("resuming from %s (laid out in %s)", url, local)
-
-
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 class TurboTrainer(TurboTrainerMixin, Trainer):
