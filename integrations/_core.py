@@ -160,10 +160,15 @@ def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
     ct.delete(str(url), storage_options=storage_options)
 
 
+def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[Any]:
+    """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``)."""
+    return catalog.list_checkpoints(str(run_url), storage_options)
+
+
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
 
-    The one place adapters reach the catalog, so it can be repointed in one line.
+    With ``list_checkpoints``, the only places adapters reach the catalog.
     """
     try:
         catalog.collect_garbage(str(run_url), storage_options)

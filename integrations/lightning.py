@@ -11,15 +11,12 @@ storage is read once and forwarded between ranks.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins import CheckpointIO
 
 from ._core import DeferredGC, load_tree, remove, run_of, save_tree
-
-log = logging.getLogger(__name__)
 
 
 class TurboCheckpointIO(CheckpointIO):

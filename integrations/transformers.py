@@ -30,10 +30,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import ckptturbo as ct
-from ckptturbo import catalog
 
-from ._core import (DeferredGC, all_ranks, exists, load_tree, native_rng_state, rank_and_world, remove,
-                    rng_state, save_tree)
+from ._core import (DeferredGC, all_ranks, exists, list_checkpoints, load_tree, native_rng_state,
+                    rank_and_world, remove, rng_state, save_tree)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ class TurboTrainerMixin:
         opts = self.turbo.storage_options
         if resume is True:
             root = self.turbo.root(self.args)
-            found = [c for c in catalog.list_checkpoints(root, opts) if c.name.startswith("checkpoint-")]
+            found = [c for c in list_checkpoints(root, opts) if c.name.startswith("checkpoint-")]
             if not found:
                 raise ct.CheckpointNotFound(f"no committed ckptturbo checkpoint under {root}")
             return max(found, key=lambda c: int(c.name.rsplit("-", 1)[1])).url
