@@ -1,6 +1,5 @@
-"""Framework adapters (Lightning, Accelerate, transformers, Ray Train, vLLM).
+"""Framework adapters: ``ckptturbo.integrations.lightning``, ``.accelerate``, ``.transformers``.
 
-Each adapter lives in its own module and imports its framework lazily; the core never
-imports a framework. None is shipped yet: use ``ckptturbo.TurboWriter``/``TurboReader``
-with ``torch.distributed.checkpoint`` directly (see docs/usage.md).
+Each lives in its own module and imports its framework at module top, so importing
+``ckptturbo`` never imports a framework. See docs/integrations.md.
 """

@@ -1,0 +1,268 @@
+"""What every adapter needs from ckptturbo, built only on its public surface.
+
+* ``save_tree``: save a nested checkpoint dict asynchronously, either collectively (every
+  rank of the group calls it, through ``ct.save``) or from this process alone (Lightning
+  saves on global rank 0 only, while the other ranks train on: a collective save would
+  hang there, so this process runs DCP without a process group).
+* ``load_tree``: the template-free load: the whole nested dict rebuilt from the manifest,
+  read once and forwarded when every rank of a group calls it.
+* ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import ckptturbo as ct
+from ckptturbo import catalog
+
+from ._tree import flatten, unflatten
+
+log = logging.getLogger(__name__)
+
+_local_writers: dict[tuple, ct.TurboWriter] = {}
+_local_inflight: dict[int, ct.SaveHandle] = {}
+_lock = threading.Lock()
+
+
+def _flat_planner() -> DefaultSavePlanner:
+    # The tree is flattened already (with its skeleton); DCP must not flatten it again.
+    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def save_tree(state: Mapping[str, Any], url: str, *, storage_options: dict[str, Any] | None = None,
+              collective: bool = True, process_group: Any = None,
+              **writer_options: Any) -> ct.SaveHandle:
+    """Start an async save of a nested dict; returns a handle with ``staged``/``durable``.
+
+    collective=True: every rank of ``process_group`` calls it (``ct.save``). False: this
+    process alone saves, whatever the process group is doing.
+    """
+    flat = flatten(state)
+    if collective:
+        return ct.save(flat, str(url), process_group=process_group, storage_options=storage_options,
+                       planner=_flat_planner(), **writer_options)
+    return _save_alone(flat, str(url), storage_options, writer_options)
+
+
+def _save_alone(flat: dict[str, Any], url: str, storage_options: dict[str, Any] | None,
+                writer_options: dict[str, Any]) -> ct.SaveHandle:
+    run = url.rstrip("/").rsplit("/", 1)[0]
+    key = (run, repr(sorted((storage_options or {}).items())), repr(sorted(writer_options.items())))
+    with _lock:
+        writer = _local_writers.get(key)
+        if writer is None:
+            writer = _local_writers[key] = ct.TurboWriter(url, storage_options, snapshot=True,
+                                                          **writer_options)
+    previous = _local_inflight.get(id(writer))
+    if previous is not None:
+        try:  # one save per writer at a time; its own failure is reported by its handle
+            previous.durable.result()
+        except Exception:  # noqa: BLE001
+            pass
+    handle = ct.SaveHandle(url)
+    _local_inflight[id(writer)] = handle
+
+    def staged() -> None:
+        if not handle.staged.done():
+            handle.staged.set_result(None)
+
+    def run_save() -> None:
+        writer.reset(url)
+        writer.on_staged = staged
+        try:
+            dcp.save(flat, storage_writer=writer, planner=_flat_planner(), no_dist=True)
+            staged()
+            handle.durable.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the futures
+            exc = _unwrap(exc)
+            if not handle.staged.done():
+                handle.staged.set_exception(exc)
+            handle.durable.set_exception(exc)
+        finally:
+            writer.on_staged = None
+
+    threading.Thread(target=run_save, name="ckptturbo-adapter-save", daemon=True).start()
+    return handle
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """DCP wraps a rank's failure in a CheckpointException; surface ckptturbo's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
+
+
+def load_tree(url: str, *, storage_options: dict[str, Any] | None = None, grouped: bool = True,
+              process_group: Any = None, device: Any = "cpu", allow_pickle: bool = False,
+              templates: dict[str, Any] | None = None, **reader_options: Any) -> dict[str, Any]:
+    """The whole nested dict of a checkpoint, no template needed.
+
+    grouped=True inside a process group: every rank of it must call this; each chunk is
+    read from storage once and forwarded (TurboReader's grouped load). grouped=False reads
+    from this process alone. Objects load with torch's restricted unpickler unless
+    ``allow_pickle`` (only for checkpoints from a trusted source). ``templates`` maps flat
+    keys to tensors to load in place (a sharded model's own DTensors); the rest is allocated.
+    """
+    use_group = grouped and dist.is_available() and dist.is_initialized()
+    reader = ct.TurboReader(str(url), storage_options, process_group=process_group if use_group else None,
+                            allow_pickle=allow_pickle, **reader_options)
+    metadata = reader.read_metadata()
+    missing = sorted(set(templates or ()) - set(metadata.state_dict_metadata))
+    if missing:
+        raise ct.MismatchError(f"checkpoint {url} lacks {len(missing)} entries the caller holds, "
+                               f"e.g. {missing[:5]}")
+    flat: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if templates and key in templates:
+            flat[key] = templates[key]
+        elif isinstance(md, TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        else:
+            flat[key] = None
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        dcp.load(flat, storage_reader=reader, planner=planner,
+                 process_group=process_group if use_group else None, no_dist=not use_group)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        inner = _unwrap(exc)
+        if inner is exc:
+            raise
+        raise inner from exc
+    return unflatten(flat, metadata.planner_data, str(url))
+
+
+def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (its manifest exists)."""
+    try:
+        ct.TurboReader(str(url), storage_options).read_manifest()
+    except ct.CheckpointNotFound:
+        return False
+    return True
+
+
+def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Make a checkpoint cease to exist (its manifest goes; chunks wait for gc)."""
+    ct.delete(str(url), storage_options=storage_options)
+
+
+def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[Any]:
+    """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``)."""
+    return catalog.list_checkpoints(str(run_url), storage_options)
+
+
+def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
+
+    With ``list_checkpoints``, the only places adapters reach the catalog.
+    """
+    try:
+        catalog.collect_garbage(str(run_url), storage_options)
+    except ct.SaveInProgress as exc:
+        log.info("gc of %s postponed: %s", run_url, exc)
+        return False
+    return True
+
+
+class DeferredGC:
+    """Frees a run's unreferenced chunks off the training thread, once saves in flight are durable.
+
+    gc refuses to run while a save of the run is pending, so it waits for the handles it
+    was given; a run it could not collect is retried by the next ``schedule`` or ``finish``.
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = storage_options
+        self._runs: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, run_url: str, inflight: list[ct.SaveHandle]) -> None:
+        self._runs.add(run_url)
+        if self._thread is not None and self._thread.is_alive():
+            return  # the running pass picks up runs added meanwhile, or finish() does
+        self._thread = threading.Thread(target=self._collect, args=(list(inflight),),
+                                        name="ckptturbo-adapter-gc", daemon=True)
+        self._thread.start()
+
+    def _collect(self, inflight: list[ct.SaveHandle]) -> None:
+        for handle in inflight:
+            try:
+                handle.durable.result()
+            except Exception:  # noqa: BLE001 - the handle's owner reports it
+                pass
+        for url in sorted(self._runs):
+            if collect_garbage(url, self.storage_options):
+                self._runs.discard(url)
+
+    def finish(self) -> None:
+        """Wait for a running pass, then collect what is still due (call once saves are durable)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._collect([])
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states; NumPy's key array as a tensor, so no full unpickling is needed."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)),
+                                                     pos, has_gauss, cached),
+             "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def native_rng_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved ``rng_state()`` in the form ``random``/``np.random`` setters take."""
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    return {**saved, "python": _tuples(saved["python"]),
+            "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)}
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    state = native_rng_state(saved)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's value on every rank, so that every rank saves the same tree."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_of(url: str) -> str:
+    """The run (chunk store) a checkpoint URL belongs to: its parent."""
+    return str(url).rstrip("/").rsplit("/", 1)[0]
