@@ -144,3 +144,37 @@ def test_llm_loads_and_generates_like_safetensors(s3_server, tiny_model, tmp_pat
         for key, tensor in expected.items():
             assert torch.equal(weights[key], tensor), (name, key)
         assert run["tokens"] == reference["tokens"], name
+
+
+@pytest.mark.parametrize("source", ["safetensors", "checkpoint"])
+def test_tensor_parallel_workers_read_storage_once(s3_server, tiny_model, tmp_path, source):
+    """Over vLLM's TP cpu_group, 2 workers get every tensor while the store serves it once."""
+    from benchmarks.ray_vllm import counting_proxy
+
+    _, _, st_url, ck_url, tensors = tiny_model
+    url = st_url if source == "safetensors" else ck_url
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with counting_proxy(s3_server.endpoint, str(tmp_path / "proxy.json")) as proxy:
+        options = dict(s3_server.storage_options, client_kwargs={"endpoint_url": proxy.endpoint})
+        extra = json.dumps({"url": url, "storage_options": options})
+        out = str(tmp_path / "tp")
+        proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_tp.py"),
+                               str(_free_port()), extra, out],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        fetched = proxy.stats()["bytes"]
+    for rank in (0, 1):
+        got = torch.load(f"{out}.rank{rank}")
+        assert got.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(got[name], tensor), (rank, name)
+    # once: the weights plus headers, manifests and listings, far from two copies
+    assert size <= fetched < 1.2 * size, (fetched, size)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
