@@ -135,13 +135,19 @@ def save(state_dict: dict[str, Any], metrics: dict[str, Any] | None = None, *,
 
 
 def _collect_quietly(run: str, storage_options: dict[str, Any] | None) -> None:
-    """gc after a save; a save already in flight makes it wait for the next one."""
+    """gc after a save; it never fails training, a gc that cannot run now runs next time.
+
+    A save already in flight defers it, and so does Ray deleting a checkpoint while the gc
+    reads the manifests (the gc stops before deleting anything then).
+    """
     try:
         freed = collect_garbage(run, storage_options)
         if freed:
             log.info("freed %d bytes of chunks no kept checkpoint of %s uses", freed, run)
     except SaveInProgress:
         log.debug("gc of %s deferred: a save is in progress", run)
+    except CkptTurboError as exc:
+        log.warning("gc of %s deferred to the next checkpoint: %s", run, exc)
 
 
 def checkpoint_url(checkpoint: Any) -> str:
