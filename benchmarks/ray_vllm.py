@@ -1,0 +1,265 @@
+"""Ray Train checkpoints and vLLM model loads: ckptturbo beside the engines' own ways.
+
+Standalone (``python -m benchmarks.ray_vllm ray|vllm|all``); SeaweedFS runs on loopback.
+
+* ``ray``: a 2-worker DDP TorchTrainer whose state (weights + Adam moments) is >= 256 MiB
+  checkpoints a few times to S3, once with ckptturbo.integrations.ray_train and once with
+  Ray's standard pattern (``torch.save`` into a local directory, then
+  ``ray.train.report(checkpoint=Checkpoint.from_directory(...))``, uploaded synchronously,
+  by rank 0 alone as Ray's DDP examples do, and by every worker). Reported: seconds the
+  training loop is blocked per checkpoint and bytes uploaded, with ratios.
+* ``vllm``: a Llama of a few hundred MB in safetensors on S3 behind
+  ckptturbo.testing's proxy (20 ms per request): time to load the model into vLLM
+  (CPU) with ``load_format="ckptturbo"``, with ``runai_streamer`` when it is installed,
+  and by downloading the files then ``load_format="safetensors"``; peak host memory
+  (max RSS) of each engine process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ckptturbo.testing.proxy_process import ProxyProcess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------- Ray Train
+
+def ray_train_fn(config: dict) -> None:
+    """Runs in every TorchTrainer worker: train, checkpoint every ``every`` steps."""
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+    from ray.train.torch import prepare_model
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptturbo.integrations import ray_train as rt
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    width = config["width"]
+    model = prepare_model(torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2)]))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    blocked, handles = [], []
+    for step in range(1, config["steps"] + 1):
+        optim.zero_grad()
+        model(torch.randn(8, width)).square().mean().backward()
+        optim.step()
+        time.sleep(config["step_seconds"])  # the rest of a step (GPU compute, data) frees the CPU
+        if step % config["every"]:
+            continue
+        began = time.perf_counter()
+        if config["mode"] == "ckptturbo":
+            msd, osd = get_state_dict(model, optim)
+            handles.append(rt.save({"model": msd, "optim": osd}, {"step": step},
+                                   storage_options=config["storage_options"], gc=False))
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                checkpoint = None
+                if config["mode"] == "ray-every-worker" or rank == 0:
+                    torch.save({"model": model.module.state_dict(), "optim": optim.state_dict()},
+                               os.path.join(tmp, f"state-rank{rank}.pt"))
+                    checkpoint = Checkpoint.from_directory(tmp)
+                ray.train.report({"step": step}, checkpoint=checkpoint)
+        blocked.append(time.perf_counter() - began)
+    for handle in handles:
+        handle.wait(600)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
+    with open(os.path.join(config["out"], f"{config['mode']}-rank{rank}.json"), "w") as f:
+        json.dump({"blocked": blocked, "state_bytes": state_bytes}, f)
+
+
+def bench_ray(server: Any, out: str, width: int, steps: int, every: int,
+              step_seconds: float) -> dict[str, Any]:
+    import fsspec
+    import pyarrow.fs
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
+    arrow = pyarrow.fs.S3FileSystem(access_key=server.key, secret_key=server.secret, scheme="http",
+                                    endpoint_override=server.endpoint.split("://", 1)[1],
+                                    region="us-east-1")
+    fs = fsspec.filesystem("s3", **server.storage_options)
+    prefix = server.url("bench-ray").removeprefix("s3://")
+    results: dict[str, Any] = {}
+    try:
+        for mode in ("ckptturbo", "ray-rank0", "ray-every-worker"):
+            config = {"mode": mode, "width": width, "steps": steps, "every": every, "out": out,
+                      "step_seconds": step_seconds,
+                      "storage_options": server.storage_options}
+            TorchTrainer(ray_train_fn, train_loop_config=config,
+                         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                         run_config=RunConfig(name=mode, storage_path=prefix, storage_filesystem=arrow,
+                                              checkpoint_config=CheckpointConfig())).fit()
+            ranks = []
+            for rank in (0, 1):
+                with open(os.path.join(out, f"{mode}-rank{rank}.json")) as f:
+                    ranks.append(json.load(f))
+            blocked = [max(a, b) for a, b in zip(ranks[0]["blocked"], ranks[1]["blocked"])]
+            results[mode] = {"blocked_s_per_checkpoint": sum(blocked) / len(blocked),
+                             "bytes_uploaded": fs.du(f"{prefix}/{mode}"),
+                             "state_bytes_per_worker": ranks[0]["state_bytes"],
+                             "checkpoints": len(blocked)}
+    finally:
+        ray.shutdown()
+        subprocess.run(["rm", "-rf", temp], check=False)
+    for base in ("ray-rank0", "ray-every-worker"):
+        results[f"ratio_blocked_vs_{base}"] = (results["ckptturbo"]["blocked_s_per_checkpoint"]
+                                               / results[base]["blocked_s_per_checkpoint"])
+        results[f"ratio_bytes_vs_{base}"] = (results["ckptturbo"]["bytes_uploaded"]
+                                             / results[base]["bytes_uploaded"])
+    return results
+
+
+# --------------------------------------------------------------------------- vLLM
+
+def engine(model: str, load_format: str, extra: str) -> None:
+    """One vLLM engine in this process; prints its init seconds as JSON on the last line."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    load_seconds: list[float] = []
+    original = BaseModelLoader.load_model
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:  # the weights phase alone
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            load_seconds.append(time.perf_counter() - t0)
+
+    BaseModelLoader.load_model = timed
+    began = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, load_format=load_format,
+              model_loader_extra_config=json.loads(extra), dtype="float32", enforce_eager=True,
+              max_model_len=128, max_num_seqs=2, seed=0)
+    seconds = time.perf_counter() - began
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(max_tokens=4, temperature=0.0, detokenize=False))
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"init_s": seconds, "load_model_s": sum(load_seconds), "peak_rss_bytes": peak,
+                      "tokens": list(out[0].outputs[0].token_ids)}))
+
+
+def _run_engine(model: str, load_format: str, extra: dict, env: dict[str, str]) -> dict[str, Any]:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.ray_vllm", "engine", model, load_format,
+                             json.dumps(extra)], cwd=REPO, env=dict(os.environ, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=900)
+    if proc.returncode:
+        lines = [ln for ln in stderr.splitlines() if "Error" in ln] or stderr.splitlines()[-1:]
+        return {"error": lines[-1].strip() if lines else f"exit status {proc.returncode}"}
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _tiny_llama(directory: str, hidden: int, layers: int) -> int:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                      num_key_value_heads=hidden // 64, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="100MB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: float) -> dict[str, Any]:
+    import fsspec
+
+    hf = os.path.join(out, "llama")
+    weight_bytes = _tiny_llama(hf, hidden, layers)
+    config_only = os.path.join(out, "llama-config")
+    os.makedirs(config_only, exist_ok=True)
+    fs = fsspec.filesystem("s3", **server.storage_options)
+    url = server.url("bench-vllm")
+    for name in os.listdir(hf):
+        fs.put_file(os.path.join(hf, name), f"{url}/{name}")
+        if name.endswith(".json") and "safetensors" not in name:
+            subprocess.run(["cp", os.path.join(hf, name), config_only], check=True)
+    results: dict[str, Any] = {"weight_bytes": weight_bytes, "latency_ms": latency_ms}
+    with ProxyProcess(server.endpoint, latency_s=latency_ms / 1000, conn_rate=100e6) as proxy:
+        options = proxy.storage_options(server.storage_options)
+        _run_engine(config_only, "dummy", {}, {})  # warm-up: imports and caches, not measured
+        results["ckptturbo"] = _run_engine(config_only, "ckptturbo",
+                                           {"url": url, "storage_options": options}, {})
+        aws = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": server.key,
+               "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+        results["runai_streamer"] = _run_engine(url, "runai_streamer", {}, aws)
+        local = os.path.join(out, "downloaded")
+        began = time.perf_counter()
+        fsspec.filesystem("s3", **options).get(f"{url}/", local + "/", recursive=True)
+        download = time.perf_counter() - began
+        run = _run_engine(local, "safetensors", {}, {})
+        if "init_s" in run:
+            run.update(download_s=download, init_s=run["init_s"] + download,
+                       load_model_s=run["load_model_s"] + download)
+        results["download+safetensors"] = run
+    for name in ("runai_streamer", "download+safetensors"):
+        if "init_s" in results[name] and "init_s" in results["ckptturbo"]:
+            for what in ("init_s", "load_model_s", "peak_rss_bytes"):
+                results[f"ratio_{what}_vs_{name}"] = results["ckptturbo"][what] / results[name][what]
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    for name in ("ray", "vllm", "all"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", default="bench-out/ray_vllm")
+        p.add_argument("--width", type=int, default=4096, help="Ray: 2 Linear(width, width) layers")
+        p.add_argument("--steps", type=int, default=6)
+        p.add_argument("--every", type=int, default=2)
+        p.add_argument("--step-seconds", type=float, default=4.0,
+                       help="Ray: time a step spends off the host CPU (simulated by sleeping)")
+        p.add_argument("--hidden", type=int, default=512, help="vLLM: Llama hidden size")
+        p.add_argument("--layers", type=int, default=8)
+        p.add_argument("--latency-ms", type=float, default=20.0)
+    e = sub.add_parser("engine")
+    e.add_argument("model")
+    e.add_argument("load_format")
+    e.add_argument("extra")
+    args = parser.parse_args(argv)
+    if args.what == "engine":
+        engine(args.model, args.load_format, args.extra)
+        return
+    from ckptturbo.testing import embedded_s3
+
+    os.makedirs(args.out, exist_ok=True)
+    server = embedded_s3.start(tempfile.mkdtemp(prefix="seaweed"))
+    report: dict[str, Any] = {}
+    try:
+        if args.what in ("ray", "all"):
+            report["ray"] = bench_ray(server, args.out, args.width, args.steps, args.every,
+                                      args.step_seconds)
+        if args.what in ("vllm", "all"):
+            report["vllm"] = bench_vllm(server, args.out, args.hidden, args.layers, args.latency_ms)
+    finally:
+        server.stop()
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

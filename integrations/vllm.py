@@ -1,0 +1,190 @@
+"""vLLM model loader ``--load-format ckptturbo``: weights streamed from an object store.
+
+vLLM only lets an ``s3://`` ``--model`` load through its own streamer formats, so the
+model directory stays local (config, tokenizer) and the weights URL comes in
+``--model-loader-extra-config``::
+
+    vllm serve ./my-model-config --load-format ckptturbo \\
+        --model-loader-extra-config '{"url": "s3://bucket/model/", "storage_options": {...},
+                                      "lookahead": 2, "memory_limit": 2147483648,
+                                      "cache_dir": "/local/nvme/ckptturbo"}'
+
+The URL holds either safetensors (one file, or a directory with or without
+``model.safetensors.index.json``) or a ckptturbo checkpoint (a ``manifest.json``); the
+loader tells them apart by that file. Every tensor-parallel worker iterates the whole
+checkpoint and each parameter's ``weight_loader`` keeps its own slice, so the workers
+read storage once between them: the stream runs over the gloo ``cpu_group`` vLLM's
+tensor-parallel ``GroupCoordinator`` already has, one worker fetches each byte range and
+forwards it to the others.
+
+The loader is registered by :func:`register`, the entry point of the group
+``vllm.general_plugins`` (vLLM calls it in the engine and in every worker process).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+import ckptturbo as ct
+from ckptturbo.errors import CheckpointNotFound, CkptTurboError, MismatchError
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMAT = "ckptturbo"
+DEFAULT_MEMORY_LIMIT = 2 << 30
+_registered = False
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """``--model-loader-extra-config`` of the ckptturbo load format, checked up front."""
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    lookahead: int | None = None
+    memory_limit: int | None = None
+    cache_dir: str | None = None
+
+    @classmethod
+    def parse(cls, extra: Any) -> LoaderOptions:
+        extra = dict(extra or {})
+        unknown = set(extra) - {"url", "storage_options", "lookahead", "memory_limit", "cache_dir"}
+        if unknown:
+            raise CkptTurboError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r} has "
+                                 f"unknown keys {sorted(unknown)}")
+        url = extra.get("url")
+        if not isinstance(url, str) or not url:
+            raise CkptTurboError(f"load format {LOAD_FORMAT!r} needs the weights' URL: "
+                                 "--model-loader-extra-config '{\"url\": \"s3://bucket/model/\"}'")
+        for key in ("lookahead", "memory_limit"):
+            value = extra.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise CkptTurboError(f"{LOAD_FORMAT} extra config {key!r} must be a positive "
+                                     f"integer, got {value!r}")
+        options = extra.get("storage_options") or {}
+        if not isinstance(options, dict):
+            raise CkptTurboError(f"{LOAD_FORMAT} extra config 'storage_options' must be an object")
+        return cls(url, options, extra.get("lookahead"), extra.get("memory_limit"),
+                   extra.get("cache_dir"))
+
+
+def tensor_parallel_group() -> Any:
+    """vLLM's gloo group over this worker's tensor-parallel peers, or None when alone."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    tp = parallel_state.get_tp_group()
+    return tp.cpu_group if tp.world_size > 1 else None
+
+
+def is_ckptturbo_checkpoint(options: LoaderOptions) -> bool:
+    """A ckptturbo checkpoint has a committed manifest at the URL; safetensors do not."""
+    try:
+        ct.TurboReader(options.url, options.storage_options).read_metadata()
+        return True
+    except CheckpointNotFound:
+        return False
+
+
+def safetensors_weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors model, streamed (read once across ``process_group``)."""
+    stream = ct.stream_safetensors(options.url, device="cpu", lookahead=options.lookahead,
+                                   memory_limit=options.memory_limit,
+                                   storage_options=options.storage_options,
+                                   process_group=process_group, cache_dir=options.cache_dir)
+    with stream:
+        yield from stream
+
+
+def checkpoint_weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a ckptturbo checkpoint, in batches of at most ``memory_limit`` bytes.
+
+    Each batch is one grouped load: every chunk is read from storage by one worker of
+    ``process_group`` and forwarded to the others. Non-tensor entries are skipped.
+    """
+    meta = ct.TurboReader(options.url, options.storage_options).read_metadata()
+    limit = options.memory_limit or DEFAULT_MEMORY_LIMIT
+    batch: dict[str, torch.Tensor] = {}
+    held = 0
+    for name, item in meta.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        tensor = torch.empty(item.size, dtype=item.properties.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if batch and held + nbytes > limit:
+            yield from _load_batch(batch, options, process_group)
+            batch, held = {}, 0
+        batch[name] = tensor
+        held += nbytes
+    if batch:
+        yield from _load_batch(batch, options, process_group)
+
+
+def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
+                process_group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    ct.load(batch, options.url, process_group=process_group,
+            storage_options=options.storage_options, strict=False)
+    yield from batch.items()
+
+
+def weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs from the URL, whichever of the two kinds it holds."""
+    if is_ckptturbo_checkpoint(options):
+        return checkpoint_weights(options, process_group)
+    return safetensors_weights(options, process_group)
+
+
+class CkptTurboModelLoader(BaseModelLoader):
+    """``load_format="ckptturbo"``: vLLM's model gets its weights from ckptturbo."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: Any) -> None:
+        """Fill the local cache tier (``cache_dir``) so the next load makes no request."""
+        if not self.options.cache_dir or is_ckptturbo_checkpoint(self.options):
+            return
+        for _ in safetensors_weights(self.options):
+            pass
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        started = time.perf_counter()
+        stream = weights(self.options, tensor_parallel_group())
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, tensor in stream:
+                count += 1
+                yield name, tensor
+
+        loaded = model.load_weights(counted())
+        # Every worker of the group must consume the whole stream, or its peers wait forever.
+        for _ in stream:
+            count += 1
+        log.info("ckptturbo loaded %d tensors from %s in %.2fs", count, self.options.url,
+                 time.perf_counter() - started)
+        if loaded is not None and model_config.quantization is None:
+            missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+            if missing:
+                raise MismatchError(f"{self.options.url} has no weights for {len(missing)} "
+                                    f"parameter(s) of the model, e.g. {missing[:5]}")
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``): register the ``ckptturbo`` load format once."""
+    global _registered
+    if not _registered:
+        register_model_loader(LOAD_FORMAT)(CkptTurboModelLoader)
+        _registered = True
