@@ -275,3 +275,19 @@ def test_bad_lease_setting_is_refused(monkeypatch, raw):
 ])
 def test_marker_freshness(record, fresh):
     assert lease.marker_is_fresh(json.dumps(record).encode(), 1010.0) is fresh
+
+
+def test_cli_ls_marks_the_unreadable_checkpoint_and_lists_the_rest(tmp_path, capsys):
+    from ckptturbo import cli
+
+    run = tmp_path / "run"
+    for name in ("a", "b"):
+        ct.save(tensors(10), str(run / name)).wait(timeout=60)
+    (run / "a" / "manifest.json").write_bytes(b'{"format": "ckptturbo-manifest", "version": 2, "ite')
+    assert cli.main(["ls", str(run)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[1][:2] == ["a", "UNREADABLE"] and rows[2][0] == "b"
+    assert cli.main(["ls", "--json", str(run)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(c["name"], c["error"] is None) for c in listed] == [("a", False), ("b", True)]
+    assert "not valid JSON" in listed[0]["error"]
