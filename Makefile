@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch>=2.9
 # everything installed after torch keeps that torch (vLLM's CPU build would replace it)
 KEEP_TORCH := -c $(VENV)/keep-torch.txt
 
-.PHONY: demo test test-gpu bench clean
+.PHONY: demo test test-gpu bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ test-gpu: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run all
+
+# the long versions of the reliability tests (CI runs the short ones): 50 local and 20 S3
+# crash trials, 10,000 fuzz cases per parser; then 200 async saves with gc (benchmarks/soak.py)
+SOAK_TESTS := tests/test_crash_consistency.py tests/test_manifest_fuzz.py tests/test_reliability.py \
+	tests/test_fault_proxy.py tests/test_catalog.py
+soak: $(VENV)/.installed
+	CKPTTURBO_SOAK=1 $(PY) -m pytest -q -rs $(SOAK_TESTS)
+	$(PY) -m benchmarks.soak --out bench-out/soak
 
 clean:
 	rm -rf $(VENV) bench-out .demo

@@ -18,26 +18,38 @@ the other's marker: either the gc sees a rank's marker and stops, or the gc's lo
 written before that marker, the rank waits until the gc is done, and the bumped
 generation makes it relist. Either way no chunk a save relies on is deleted while its
 marker stands, and once the marker goes the manifest names those chunks. Staging before
-the marker is safe because copying into host memory decides nothing about storage. Stale
-markers (a crashed save, a killed gc) expire after ``MARKER_TTL`` seconds.
+the marker is safe because copying into host memory decides nothing about storage.
+
+Markers and the lock are leases (``lease``): a heartbeat rewrites them every third of
+``$CKPTTURBO_PENDING_LEASE`` while their writer works, so a crashed save or a killed gc
+holds the run for one lease, not for hours. A rank's heartbeat stops (after one last
+renewal) when its uploads are done; the coordinator must commit within one lease of that.
+
+A manifest gc cannot read (truncated, corrupted, hostile) might name any chunk, so gc
+deletes nothing while one exists and names it; ``ls`` lists the others and marks it.
 """
 from __future__ import annotations
 
 import logging
 import posixpath
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .errors import CheckpointNotFound, CkptTurboError, SaveInProgress
-from .layout import CONTROL_DIR, MARKER_TTL, Location, Manifest, RunStore, marker_is_fresh, marker_record
+from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
+from .layout import CONTROL_DIR, Location, Manifest, RunStore
+from .lease import Heartbeat, marker_is_fresh, pending_lease
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 LOCK_WAIT = 600.0
 LOCK_POLL = 0.5
+
+_beats: dict[str, Heartbeat] = {}  # this process's pending markers, by path
+_beats_lock = threading.Lock()
 
 
 def _fresh(store: Store, path: str, now: float) -> bool:
@@ -48,12 +60,16 @@ def _fresh(store: Store, path: str, now: float) -> bool:
 
 
 def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) -> str:
-    """Announce one rank of a save, wait out a running gc, and return the gc generation.
+    """Announce one rank of a save (a pending marker with a heartbeat), wait out a running
+    gc, and return the gc generation.
 
     Called after staging and before the first dedup decision (see the module docstring).
     """
     store = run.store
-    store.put(run.pending_path(save_id, rank), marker_record(rank=rank), durable=False)
+    path = run.pending_path(save_id, rank)
+    beat = Heartbeat(store, path, pending_lease(), rank=rank)
+    with _beats_lock:
+        _beats[path] = beat
     deadline = time.monotonic() + wait
     while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
@@ -63,16 +79,30 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
     return generation(run)
 
 
+def uploaded(run: RunStore, save_id: str, rank: int) -> None:
+    """This rank's uploads are done: renew its marker once more and stop the heartbeat.
+    The marker now holds for one lease, in which the coordinator commits and removes it."""
+    with _beats_lock:
+        beat = _beats.pop(run.pending_path(save_id, rank), None)
+    if beat is not None:
+        beat.stop(final_beat=True)
+
+
 def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
     """Remove the pending markers of these ranks of a save (absent ones are fine); a
     failure is only logged: it must not fail a committed save."""
+    paths = [run.pending_path(save_id, rank) for rank in ranks]
+    with _beats_lock:
+        beats = [_beats.pop(p) for p in paths if p in _beats]
+    for beat in beats:  # stopped first: a late heartbeat must not bring a marker back
+        beat.stop()
     try:  # in parallel; every delete is attempted before the first failure is reported
-        run.store.delete([run.pending_path(save_id, rank) for rank in ranks])
+        run.store.delete(paths)
     except CheckpointNotFound:
         pass
     except CkptTurboError as exc:  # advisory: the save itself stands, the markers expire
         log.warning("could not remove the pending markers of save %s (%s); gc of %s waits "
-                    "until they expire after %ss", save_id, exc, run.store.url_of(run.root), MARKER_TTL)
+                    "until their lease expires", save_id, exc, run.store.url_of(run.root))
 
 
 def generation(run: RunStore) -> str:
@@ -91,10 +121,14 @@ class CheckpointInfo:
     total_bytes: int
     unique_bytes: int
     items: int
+    error: str | None = None  # set (and the sizes 0) when the manifest is unreadable
 
 
-def _committed(run_url: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, Manifest]]:
-    """(url, manifest) of every committed checkpoint directly under a run, each read once."""
+def _committed(run_url: str, storage_options: dict[str, Any] | None
+               ) -> Iterator[tuple[str, Manifest | FormatError]]:
+    """(url, manifest) of every committed checkpoint directly under a run, each read once;
+    an unreadable manifest comes as its FormatError. A checkpoint deleted between the
+    listing and the read is skipped: it no longer exists."""
     store = Store(run_url, storage_options)
     for path in store.list_dirs(store.root):
         name = posixpath.basename(path)
@@ -105,19 +139,38 @@ def _committed(run_url: str, storage_options: dict[str, Any] | None) -> Iterator
             yield url, Location(url, storage_options).read_manifest()
         except CheckpointNotFound:
             continue
+        except FormatError as exc:
+            yield url, exc
 
 
-def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent."""
-    found = [CheckpointInfo(posixpath.basename(url), url, m.created, m.total_bytes, m.unique_bytes,
-                            len(m.items)) for url, m in _committed(run_url, storage_options)]
-    return sorted(found, key=lambda c: (c.created, c.name))
+def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
+                     include_unreadable: bool = False) -> list[CheckpointInfo]:
+    """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent.
+
+    A checkpoint whose manifest cannot be read is logged as a warning and left out, or
+    with ``include_unreadable`` listed first with ``error`` set: one bad manifest must
+    not hide the rest of the run.
+    """
+    found, bad = [], []
+    for url, m in _committed(run_url, storage_options):
+        name = posixpath.basename(url)
+        if isinstance(m, FormatError):
+            log.warning("checkpoint %s is unreadable: %s", url, m)
+            bad.append(CheckpointInfo(name, url, 0.0, 0, 0, 0, error=str(m)))
+            continue
+        found.append(CheckpointInfo(name, url, m.created, m.total_bytes, m.unique_bytes, len(m.items)))
+    found.sort(key=lambda c: (c.created, c.name))
+    return sorted(bad, key=lambda c: c.name) + found if include_unreadable else found
 
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Remove the manifest (which makes the checkpoint cease to exist); chunks stay for gc."""
+    """Remove the manifest (which makes the checkpoint cease to exist); chunks stay for gc.
+    An unreadable manifest is removed too (with a warning): that is how a run gets rid of it."""
     location = Location(url, storage_options)
-    location.read_manifest()
+    try:
+        location.read_manifest()
+    except FormatError as exc:
+        log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
     location.store.delete([location.manifest_path])
 
 
@@ -132,12 +185,15 @@ class GcReport:
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     dry_run: bool = False, grace_seconds: float = 0.0) -> GcReport:
-    """Delete chunks of the run's store that no committed checkpoint of the run names."""
+    """Delete chunks of the run's store that no committed checkpoint of the run names.
+
+    Raises SaveInProgress while a save's marker holds its lease, and FormatError (deleting
+    nothing) while a manifest of the run is unreadable: its chunks cannot be told apart.
+    """
     run = RunStore.for_run(run_url, storage_options)
     store = run.store
     now = time.time()
-    if not dry_run:
-        store.put(run.gc_lock, marker_record(id=uuid.uuid4().hex))
+    lock = None if dry_run else Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
     try:
         live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
         if live and not dry_run:
@@ -146,8 +202,16 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
         if not dry_run:
             store.put(run.gc_generation, uuid.uuid4().hex.encode())
         referenced: set[str] = set()
-        for _, manifest in _committed(run_url, storage_options):
-            referenced.update(manifest.chunks)
+        unreadable = []
+        for url, manifest in _committed(run_url, storage_options):
+            if isinstance(manifest, FormatError):
+                unreadable.append(f"{url} ({manifest})")
+            else:
+                referenced.update(manifest.chunks)
+        if unreadable:
+            raise FormatError(f"gc of {run_url} deleted nothing: {len(unreadable)} unreadable "
+                              f"manifest(s) might reference any chunk: {'; '.join(unreadable)}. "
+                              "Restore them, or remove them with `ckptturbo rm`")
         doomed, kept_recent, doomed_bytes = [], 0, 0
         for info in store.list_files(run.chunks_root):
             cid = info.path.rsplit("/", 1)[-1]
@@ -164,8 +228,10 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
                  len(referenced), len(doomed), doomed_bytes, " [dry run]" if dry_run else "")
         return GcReport(len(referenced), len(doomed), doomed_bytes, kept_recent, dry_run)
     finally:
-        if not dry_run:
+        if lock is not None:
+            lock.stop()
             try:
                 store.delete([run.gc_lock])
             except CkptTurboError:
-                log.warning("could not remove %s; it expires after %ss", run.gc_lock, MARKER_TTL)
+                log.warning("could not remove %s; it expires after its %ss lease",
+                            run.gc_lock, lock.lease)

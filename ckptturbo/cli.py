@@ -107,18 +107,21 @@ def progress(total: int, desc: str) -> Any:
 # --- ls ------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Committed checkpoints only: a directory without a manifest is a save that never finished."""
-    found = list_checkpoints(args.run, args.storage_options)
+    """Committed checkpoints only: a directory without a manifest is a save that never finished.
+    An unreadable manifest is listed as such (and warned about) instead of hiding the rest."""
+    found = list_checkpoints(args.run, args.storage_options, include_unreadable=True)
     if args.json:
         print(json.dumps([{"name": c.name, "url": c.url, "created": c.created,
                            "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
-                           "unique_bytes": c.unique_bytes, "items": c.items} for c in found], indent=2))
+                           "unique_bytes": c.unique_bytes, "items": c.items, "error": c.error}
+                          for c in found], indent=2))
         return EXIT_OK
     if not found:
         print(f"no committed checkpoints under {args.run}", file=sys.stderr)
         return EXIT_OK
     print_table(["NAME", "CREATED", "SIZE", "STORED", "ITEMS"],
-                [[c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes), c.items]
+                [[c.name, "UNREADABLE", "-", "-", "-"] if c.error else
+                 [c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes), c.items]
                  for c in found], right={2, 3, 4})
     return EXIT_OK
 

@@ -1,8 +1,9 @@
 """The storage contract: every path and record ckptturbo puts in storage, in one place.
 
     <run>/.ckptturbo/chunks/<2 hex>/<64 hex>        content-addressed chunks, shared by the run
-    <run>/.ckptturbo/pending/<save id>.<rank>       a rank of a save in progress (removed at commit)
-    <run>/.ckptturbo/gc.lock                        a gc in progress
+    <run>/.ckptturbo/pending/<save id>.<rank>       a rank of a save in progress (removed at commit;
+                                                    dead once its heartbeat lease expires)
+    <run>/.ckptturbo/gc.lock                        a gc in progress (same lease)
     <run>/.ckptturbo/gc.generation                  changes whenever a gc may delete chunks
     <run>/<checkpoint>/manifest.json                JSON, written last: the commit
 
@@ -11,7 +12,7 @@ control records. The manifest carries everything DCP's ``Metadata`` carries (ten
 shapes, dtypes, shard boxes, planner data), so the reader rebuilds Metadata from JSON and
 nothing from storage is ever unpickled. Every field is validated on the way in: a
 manifest may be hostile. ``build_manifest`` (pure) turns DCP's Metadata and the ranks'
-write results into a manifest; ``catalog`` does the I/O on the control paths.
+write results into a manifest; ``catalog`` does the I/O on the control paths; ``lease`` owns the records written there.
 """
 from __future__ import annotations
 
@@ -50,8 +51,6 @@ CHUNKS_DIR = f"{CONTROL_DIR}/chunks"
 PENDING_DIR = f"{CONTROL_DIR}/pending"
 GC_LOCK = f"{CONTROL_DIR}/gc.lock"
 GC_GENERATION = f"{CONTROL_DIR}/gc.generation"
-MARKER_TTL = 6 * 3600.0  # older markers are a crashed save or a killed gc: ignored
-
 log = logging.getLogger(__name__)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -61,19 +60,6 @@ def chunk_relpath(cid: str) -> str:
     """Where a chunk lives under the chunks root (two-level fan-out)."""
     validate_chunk_id(cid)
     return f"{cid[:2]}/{cid}"
-
-
-def marker_record(**fields: Any) -> bytes:
-    """A pending marker or gc lock: when it was written (for expiry), and by whom."""
-    return json.dumps({"version": CONTROL_VERSION, "time": time.time(), **fields}).encode()
-
-
-def marker_is_fresh(data: bytes, now: float) -> bool:
-    """Younger than MARKER_TTL; an unreadable marker counts as stale (expired)."""
-    try:
-        return now - float(json.loads(data).get("time", 0)) < MARKER_TTL
-    except (ValueError, TypeError, AttributeError):
-        return False
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,8 @@ class Upload:
                 self.on_staged()
             self._submit_waiting()
             stored = self._collect()
+            if self._index is not None:  # the marker's heartbeat stops; the commit removes it
+                catalog.uploaded(self.run_store, self.save_id, self.rank)
         except BaseException:
             self._release_waiting()
             if self._index is not None:  # no manifest will follow: the marker may go now

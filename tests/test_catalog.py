@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import catalog, chunk_index
+from ckptturbo import catalog, chunk_index, lease
 from ckptturbo.layout import Location
 from ckptturbo.testing.launcher import run_distributed
 
@@ -51,7 +51,7 @@ def test_gc_refuses_while_a_save_is_pending(tmp_path):
     marker.write_text(json.dumps({"time": time.time()}))
     with pytest.raises(ct.SaveInProgress, match="in progress"):
         catalog.collect_garbage(str(run))
-    marker.write_text(json.dumps({"time": time.time() - catalog.MARKER_TTL - 1}))
+    marker.write_text(json.dumps({"time": time.time() - lease.MARKER_TTL - 1}))
     catalog.collect_garbage(str(run))  # a stale marker (crashed save) no longer blocks
 
 
@@ -185,3 +185,109 @@ def test_every_rank_announces_and_the_commit_clears_all_markers(tmp_path):
     thread.join(240)
     assert done.is_set() and not list(pending.glob("*"))
     assert load_equal(str(run / "a"), tensors(7))
+
+
+def test_unreadable_manifest_is_named_not_fatal(tmp_path, caplog):
+    run = tmp_path / "run"
+    a, b = tensors(8), tensors(9)
+    ct.save(a, str(run / "a"), pack_threshold=1024).wait(timeout=60)
+    ct.save(b, str(run / "b"), pack_threshold=1024).wait(timeout=60)
+    ct.delete(str(run / "a"))  # a's chunks are now orphans
+    stored = sorted(p for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file())
+    bad = run / "b" / "manifest.json"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated
+    ct.save(a, str(run / "c"), pack_threshold=1024).wait(timeout=60)
+    with caplog.at_level("WARNING", logger="ckptturbo.catalog"):
+        assert [c.name for c in catalog.list_checkpoints(str(run))] == ["c"]
+    assert "b/manifest.json" in caplog.text
+    listed = catalog.list_checkpoints(str(run), include_unreadable=True)
+    assert [(c.name, c.error is not None) for c in listed] == [("b", True), ("c", False)]
+    # gc cannot know what b referenced: it deletes nothing and names b
+    with pytest.raises(ct.FormatError, match="deleted nothing.*run/b") as err:
+        catalog.collect_garbage(str(run))
+    assert isinstance(err.value, ct.CkptTurboError)
+    assert sorted(p for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()) == stored
+    assert not (run / ".ckptturbo" / "gc.lock").exists()
+    catalog.delete_checkpoint(str(run / "b"))  # rm removes an unreadable manifest
+    report = catalog.collect_garbage(str(run))
+    assert report.deleted == 4  # b's four tensor chunks; a's are c's again
+    assert load_equal(str(run / "c"), a)
+
+
+def test_gc_skips_checkpoints_deleted_while_it_runs(tmp_path):
+    run = tmp_path / "run"
+    names = [f"s{i}" for i in range(12)]
+    for i, name in enumerate(names):
+        ct.save({"x": torch.full((1024,), float(i))}, str(run / name)).wait(timeout=60)
+    errors: list[BaseException] = []
+
+    def gc_loop() -> None:
+        for _ in range(20):
+            try:
+                catalog.collect_garbage(str(run))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    thread = threading.Thread(target=gc_loop)
+    thread.start()
+    for name in names[:-1]:  # deleted between gc's listing and its reads
+        ct.delete(str(run / name))
+        time.sleep(0.01)
+    thread.join(120)
+    assert not errors, errors
+    catalog.collect_garbage(str(run))
+    assert [c.name for c in catalog.list_checkpoints(str(run))] == ["s11"]
+    assert len([p for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()]) == 1
+
+
+def test_marker_lease_expires_and_heartbeat_keeps_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(lease.LEASE_ENV, "0.6")
+    run_store = catalog.RunStore.for_run(str(tmp_path / "run"))
+    marker = tmp_path / "run" / ".ckptturbo" / "pending" / "s1.0"
+    catalog.begin_save(run_store, "s1", 0)
+    record = json.loads(marker.read_text())
+    assert record["lease"] == 0.6
+    time.sleep(1.5)  # longer than the lease: only the heartbeat keeps it fresh
+    with pytest.raises(ct.SaveInProgress):
+        catalog.collect_garbage(str(tmp_path / "run"))
+    catalog.uploaded(run_store, "s1", 0)  # last renewal; then it holds for one lease
+    assert marker.exists()
+    time.sleep(0.8)
+    catalog.collect_garbage(str(tmp_path / "run"))  # expired: a dead save
+    catalog.end_save(run_store, "s1", [0])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", str(lease.MARKER_TTL * 2)])
+def test_bad_lease_setting_is_refused(monkeypatch, raw):
+    monkeypatch.setenv(lease.LEASE_ENV, raw)
+    with pytest.raises(ct.FormatError, match=lease.LEASE_ENV):
+        lease.pending_lease()
+
+
+@pytest.mark.parametrize("record,fresh", [
+    ({"time": 1000.0}, True),                            # no lease: MARKER_TTL
+    ({"time": 1000.0, "lease": 5}, False),
+    ({"time": 1000.0, "lease": 50}, True),
+    ({"time": 1000.0, "lease": float("inf")}, True),     # out of range: MARKER_TTL
+    ({"time": 1000.0 - lease.MARKER_TTL, "lease": 1e12}, False),
+    ({"time": "x"}, False), ([1, 2], False),
+])
+def test_marker_freshness(record, fresh):
+    assert lease.marker_is_fresh(json.dumps(record).encode(), 1010.0) is fresh
+
+
+def test_cli_ls_marks_the_unreadable_checkpoint_and_lists_the_rest(tmp_path, capsys):
+    from ckptturbo import cli
+
+    run = tmp_path / "run"
+    for name in ("a", "b"):
+        ct.save(tensors(10), str(run / name)).wait(timeout=60)
+    (run / "a" / "manifest.json").write_bytes(b'{"format": "ckptturbo-manifest", "version": 2, "ite')
+    assert cli.main(["ls", str(run)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[1][:2] == ["a", "UNREADABLE"] and rows[2][0] == "b"
+    assert cli.main(["ls", "--json", str(run)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(c["name"], c["error"] is None) for c in listed] == [("a", False), ("b", True)]
+    assert "not valid JSON" in listed[0]["error"]

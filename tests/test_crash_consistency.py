@@ -1,10 +1,14 @@
 """Kill a checkpointing job at a random moment; what is left must be committed or invisible.
 
 A real 2-rank gloo job (torch.distributed.run, tests/jobs/save_loop.py) saves a checkpoint
-every step; the test SIGKILLs the whole job, or one rank, after a random delay drawn from a
-seeded generator, then checks what a restarted job would see: every checkpoint `ls` lists
+every step; the test SIGKILLs the whole job, or one rank, a random delay (drawn from a seeded
+generator) after its first commit, then checks what a restarted job would see: every checkpoint `ls` lists
 loads bit-exact (its state is a pure function of its step), a step directory without a
-manifest cannot be loaded, and a later save and gc leave every committed checkpoint intact.
+manifest cannot be loaded, and, once the dead job's pending markers have outlived their
+short lease, gc removes exactly the orphaned chunks (those no committed manifest names) and
+every committed checkpoint still loads bit-exact. A gc killed at a random moment leaves
+every committed checkpoint intact and a second gc completes; a gc looping beside a save
+never deletes a chunk that save relies on.
 CI runs a few trials per store; ``CKPTTURBO_SOAK=1`` runs 50 on local disk and 20 on S3.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +29,9 @@ import torch
 
 import ckptturbo as ct
 from ckptturbo import catalog
+from ckptturbo.errors import CheckpointNotFound, SaveInProgress
+from ckptturbo.layout import Location, RunStore
+from ckptturbo.lease import LEASE_ENV
 
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
 from save_loop import state_of  # noqa: E402
@@ -31,6 +39,8 @@ from save_loop import state_of  # noqa: E402
 JOB = Path(__file__).parent / "jobs" / "save_loop.py"
 SOAK = bool(os.environ.get("CKPTTURBO_SOAK"))
 TRIALS = {"local": 50 if SOAK else 3, "s3": 20 if SOAK else 2}
+GC_TRIALS = {"local": 20 if SOAK else 2, "s3": 10 if SOAK else 1}
+LEASE = 2.0  # the jobs' pending-marker lease: a dead job holds gc back this long
 
 
 def _free_port() -> int:
@@ -52,23 +62,46 @@ def _run_and_kill(run: str, options: dict | None, delay: float, victim: str) -> 
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(JOB), run, "100"]
     if options:
         cmd.append(json.dumps(options))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               **{LEASE_ENV: str(LEASE)})
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True, env=env)
-    try:
+    lines: list[str] = []
+    first_commit = threading.Event()
+
+    def read() -> None:
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith("committed"):
+                first_commit.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:  # the random moment is counted from the first commit (start-up time varies)
+        first_commit.wait(120)
         time.sleep(delay)
-        if victim == "job":
-            os.killpg(job.pid, signal.SIGKILL)
+        if victim == "job":  # the launcher starts each worker in a session of its own
+            _kill_all(job.pid)
         else:  # one rank dies; the launcher must bring the rest down, not hang
             workers = _children(job.pid)
             if workers:
                 os.kill(workers[-1], signal.SIGKILL)
-        out, _ = job.communicate(timeout=120)
+        job.wait(timeout=120)
+        reader.join(30)
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            _kill_all(job.pid)
             job.wait()
-    return out
+    return "".join(lines)
+
+
+def _kill_all(launcher: int) -> None:
+    """SIGKILL every worker's process group, then the launcher's (a whole node dies)."""
+    for pid in _children(launcher) + [launcher]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _check_visible_state(run: str, options: dict | None) -> list[str]:
@@ -103,12 +136,135 @@ def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request)
     for trial in range(TRIALS[store]):
         run = str(tmp_path / f"run-{trial}") if store == "local" else server.url(f"crash-{trial}")
         victim = "job" if trial % 2 == 0 else "rank"
-        out = _run_and_kill(run, options, delay=rng.uniform(3.0, 9.0), victim=victim)
+        out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim)
         names = _check_visible_state(run, options)
         seen_committed += len(names)
+        time.sleep(LEASE)  # the killed ranks' markers expire
+        _gc_and_check(run, options)
+        assert _check_visible_state(run, options) == names
         # a restarted job saves again next to whatever the crash left, and gc keeps every
         # committed checkpoint loadable
         ct.save(state_of(999), f"{run}/step-999", storage_options=options,
                 chunk_size=256 << 10, pack_threshold=64 << 10).wait(timeout=120)
         assert f"step-999" in _check_visible_state(run, options), out[-2000:]
     assert seen_committed > 0  # the delays let some saves commit before the kill
+
+
+def _stored_chunks(run: str, options: dict | None) -> set[str]:
+    rs = RunStore.for_run(run, options)
+    return {info.path.rsplit("/", 1)[-1] for info in rs.store.list_files(rs.chunks_root)}
+
+
+def _referenced(run: str, options: dict | None) -> set[str]:
+    return {cid for info in catalog.list_checkpoints(run, options)
+            for cid in Location(info.url, options).read_manifest().chunks}
+
+
+def _gc_and_check(run: str, options: dict | None) -> None:
+    """gc removes every orphaned chunk and nothing a committed manifest names."""
+    referenced = _referenced(run, options)
+    assert referenced <= _stored_chunks(run, options)
+    catalog.collect_garbage(run, options)
+    assert _stored_chunks(run, options) == referenced
+
+
+def _store_with_orphans(run: str, options: dict | None, steps: int = 6, keep: int = 2) -> None:
+    for step in range(1, steps + 1):  # small chunks: many objects for gc to delete
+        ct.save(state_of(step), f"{run}/step-{step}", storage_options=options,
+                chunk_size=16 << 10, pack_threshold=4 << 10).wait(timeout=120)
+    for step in range(1, steps - keep + 1):
+        ct.delete(f"{run}/step-{step}", storage_options=options)
+
+
+def _kill_gc(run: str, options: dict | None, rng: random.Random) -> bool:
+    """Start `ckptturbo gc` in its own process and SIGKILL it either at a random delay or
+    once it has bumped the gc generation (it deletes right after); True when it was
+    still running at the kill."""
+    cmd = [sys.executable, "-m", "ckptturbo.cli", "gc", run]
+    if options:
+        cmd += ["--storage-options", json.dumps(options)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), **{LEASE_ENV: str(LEASE)})
+    rs = RunStore.for_run(run, options)
+    before = catalog.generation(rs)
+    gc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+    try:
+        if rng.random() < 0.5:
+            time.sleep(rng.uniform(0.5, 6.0))
+        else:
+            deadline = time.monotonic() + 60
+            while gc.poll() is None and time.monotonic() < deadline:
+                if catalog.generation(rs) != before:
+                    break
+        running = gc.poll() is None
+        gc.kill()
+    finally:
+        gc.wait()
+    return running
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_killed_gc_leaves_committed_checkpoints_intact(store, tmp_path, request, monkeypatch):
+    monkeypatch.setenv(LEASE_ENV, str(LEASE))
+    rng = random.Random(20261123)
+    options = None
+    if store == "s3":
+        server = request.getfixturevalue("s3_server")
+        options = server.storage_options
+    killed_running = 0
+    for trial in range(GC_TRIALS[store]):
+        run = str(tmp_path / f"run-{trial}") if store == "local" else server.url(f"gc-crash-{trial}")
+        _store_with_orphans(run, options)
+        assert _stored_chunks(run, options) - _referenced(run, options)  # orphans exist
+        killed_running += _kill_gc(run, options, rng)
+        names = _check_visible_state(run, options)
+        assert names == ["step-5", "step-6"]
+        _gc_and_check(run, options)  # a second gc completes (the dead one's lock is overwritten)
+        assert _check_visible_state(run, options) == names
+        ct.save(state_of(7), f"{run}/step-7", storage_options=options).wait(timeout=120)
+        assert _check_visible_state(run, options) == names + ["step-7"]
+    assert killed_running > 0  # at least one kill landed while the gc was running
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, monkeypatch):
+    monkeypatch.setenv(LEASE_ENV, "0.6")  # shorter than the save: only the heartbeat holds it
+    options = None
+    if store == "s3":
+        server = request.getfixturevalue("s3_server")
+        options = server.storage_options
+    run = str(tmp_path / "run") if store == "local" else server.url("gc-beside-save")
+    trials = 5 if SOAK else 1
+    for trial in range(trials):
+        _store_with_orphans(run, options, steps=3, keep=1)  # steps 1-2 orphaned
+        # the new save dedups against orphaned chunks (step 2's) and writes new ones
+        state = dict(state_of(2), extra=torch.randn(4 << 20, generator=torch.Generator().manual_seed(trial)))
+        refused, stop = [], False
+        errors: list[BaseException] = []
+
+        def gc_loop() -> None:
+            while not stop:
+                try:
+                    catalog.collect_garbage(run, options)
+                except SaveInProgress:
+                    refused.append(time.monotonic())
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+                    return
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=gc_loop)
+        thread.start()
+        try:
+            ct.save(state, f"{run}/trial-{trial}", storage_options=options,
+                    chunk_size=64 << 10, pack_threshold=16 << 10).wait(timeout=120)
+        finally:
+            stop = True
+            thread.join(60)
+        assert not errors, errors
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state.items()}
+        ct.load(out, f"{run}/trial-{trial}", storage_options=options)
+        for key, value in state.items():
+            assert torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
+        time.sleep(0.7)  # the last marker's final lease
+        _gc_and_check(run, options)
+        ct.delete(f"{run}/step-3", storage_options=options)
