@@ -393,3 +393,24 @@ def test_ddp_train_state_with_bytesio_round_trip(tmp_path):
         by_kind = {kind: run_distributed(ddp_round_trip_rank, 2, kind, ckpt(tmp_path, kind), timeout=180)
                    for kind in KINDS}
     assert by_kind["turbo"] == by_kind["dcp"]
+
+
+class Schedule:
+    """A user class: loadable without allow_pickle once registered as a safe global."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+
+
+def test_registered_safe_globals_load_without_the_switch(tmp_path):
+    url = ckpt(tmp_path)
+    dcp.save({"w": torch.ones(2), "sched": Schedule(7)}, storage_writer=ct.TurboWriter(url))
+    with pytest.raises(CheckpointException, match="'sched'.*add_safe_globals"):
+        dcp.load({"w": torch.zeros(2), "sched": None}, storage_reader=ct.TurboReader(url))
+    assert io.BytesIO not in torch.serialization.get_safe_globals()  # the reader's own, undone
+    with torch.serialization.safe_globals([Schedule, io.BytesIO]):
+        out = {"w": torch.zeros(2), "sched": None}
+        dcp.load(out, storage_reader=ct.TurboReader(url))
+        assert isinstance(out["sched"], Schedule) and out["sched"].warmup == 7
+        # the reader's own use of io.BytesIO leaves the caller's registration in place
+        assert io.BytesIO in torch.serialization.get_safe_globals()
