@@ -152,8 +152,10 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     def _refuse_existing(self) -> None:
         """overwrite=False: a committed checkpoint at the URL stops the save here."""
+        if self.overwrite:
+            return
         location = self.location
-        if not self.overwrite and location.store.exists(location.manifest_path):
+        if location.store.exists(location.manifest_path):
             raise CheckpointExists(f"a committed checkpoint already exists at {self.url!r} and "
                                    "overwrite=False; it was left untouched")
 

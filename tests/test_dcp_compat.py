@@ -324,6 +324,12 @@ def reshard_save_rank(rank: int, world: int, kind: str, url: str) -> None:
     out = _layout(world, Shard(1), zeros=True)  # same ranks, the other dimension
     dcp.load(out, storage_reader=reader(kind, url))
     _check(out)
+    try:  # overwrite=False is refused on every rank, not only where storage was asked
+        dcp.save(_layout(world, Shard(0), zeros=True), storage_writer=writer(kind, url, overwrite=False))
+    except CheckpointException:
+        pass
+    else:
+        raise AssertionError(f"rank {rank}: overwrite=False replaced {url}")
 
 
 def reshard_load_rank(rank: int, world: int, kind: str, url: str) -> None:
