@@ -162,7 +162,9 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
     """Load in place, like ``dcp.load`` with a TurboReader, after checking the state fits.
 
     strict=True (as in ``nn.Module.load_state_dict``) makes keys missing on either side an
-    error; strict=False loads what both have in common.
+    error; strict=False loads what both have in common. Shapes must match; dtypes need not:
+    values are cast into the state dict's tensors, as ``dcp.load`` and
+    ``nn.Module.load_state_dict`` do.
     """
     reader = TurboReader(str(url), storage_options, process_group=process_group, **reader_options)
     manifest = reader.read_manifest()
@@ -234,7 +236,8 @@ def delete(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
 
 
 def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, strict: bool) -> None:
-    """Name every key, shape and dtype that does not match, before any byte is read."""
+    """Name every key and shape that does not match, before any byte is read (dtypes are
+    cast on load, as DCP does)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     plain = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
@@ -254,9 +257,6 @@ def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, stri
             shape = tuple(value.shape)  # a DTensor's shape is already the global one
             if shape != tuple(record.size):
                 problems.append(f"{key!r}: shape {shape} in the state dict, {tuple(record.size)} "
-                                "in the checkpoint")
-            if value.dtype != record.dtype:
-                problems.append(f"{key!r}: dtype {value.dtype} in the state dict, {record.dtype} "
                                 "in the checkpoint")
     if strict:
         extra = sorted(set(items) - set(flat))

@@ -6,11 +6,17 @@ knows its byte span of the stored shard and where those bytes land: straight in 
 destination tensor when that is a contiguous CPU tensor receiving the whole shard (no
 buffer, no copy; a chunk that is exactly one slice of it is even read in place), else a
 staging buffer copied out, with the shard's strides, once the item is complete.
+
+Dtypes follow DCP's ``FileSystemReader``: bytes are read as the stored dtype and
+``copy_``-ed into the destination, so a bf16 target of an fp32 checkpoint is cast. Objects
+reach the planner only in a form proven safe to unpickle (see :func:`safe_object`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ class Job:
     end: int
     target: torch.Tensor | None
     dest: Any
+    dtype: torch.dtype | None = None  # the stored dtype, which dest's bytes hold
     direct: bool = False  # dest is the target's own memory
     missing: int = 0
     done: bool = False
@@ -66,24 +73,23 @@ def item_span(shard: ShardRecord, item: ReadItem) -> tuple[int, int]:
 
 def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | None,
              planner: LoadPlanner) -> Job:
-    """A job for one item; refuses a destination whose dtype or box differs from the stored."""
+    """A job for one item; refuses a destination whose box differs from the stored one.
+
+    A destination of another dtype gets a staging buffer and is cast when copied into."""
     start, end = item_span(shard, item)
     fqn = item.dest_index.fqn
     if item.type == LoadItemType.BYTE_IO:
         return Job(item, shard, start, end, None, bytearray(end - start))
     target = planner.resolve_tensor(item)
     stored = stored_dtype or target.dtype
-    if target.dtype != stored:
-        raise MismatchError(f"{fqn!r}: checkpoint holds {stored}, the state dict "
-                            f"expects {target.dtype} (convert after loading instead)")
     if tuple(target.shape) != tuple(item.lengths):
         raise MismatchError(f"{fqn!r}: destination box {tuple(target.shape)} does not match "
                             f"the stored box {tuple(item.lengths)}")
     full = (start, end) == (0, shard.nbytes) and tuple(item.lengths) == tuple(shard.sizes)
-    if full and target.is_contiguous() and target.device.type == "cpu":
+    if full and target.dtype == stored and target.is_contiguous() and target.device.type == "cpu":
         dest = target.reshape(-1).view(torch.uint8) if target.numel() else None
-        return Job(item, shard, start, end, target, dest, direct=True)
-    return Job(item, shard, start, end, target, bytearray(end - start))
+        return Job(item, shard, start, end, target, dest, stored, direct=True)
+    return Job(item, shard, start, end, target, bytearray(end - start), stored)
 
 
 def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, memoryview]:
@@ -128,32 +134,52 @@ def consume(jobs: list[Job], chunks: Iterable[tuple[str, memoryview]],
 
 
 def finish_job(job: Job, planner: LoadPlanner, allow_pickle: bool, url: str) -> None:
-    """Hand a complete item to DCP's planner (objects only once proven safe to unpickle)."""
+    """Hand a complete item to DCP's planner (objects only in a form proven safe to unpickle)."""
     job.done = True
     item = job.item
     if item.type == LoadItemType.BYTE_IO:
         data = bytes(job.dest)
-        if not allow_pickle:
-            refuse_unsafe_pickle(data, item.dest_index.fqn, url)
-        planner.load_bytes(item, io.BytesIO(data))
+        payload = io.BytesIO(data) if allow_pickle else safe_object(data, item.dest_index.fqn, url)
+        planner.load_bytes(item, payload)
         return
     target = job.target
     assert target is not None
     if not job.direct and target.numel():
-        flat = frombuffer(job.dest).view(target.dtype)
+        flat = frombuffer(job.dest).view(job.dtype or target.dtype)
         src = torch.as_strided(flat, tuple(item.lengths), row_major_strides(job.shard.sizes), 0)
         target.copy_(src)
     planner.commit_tensor(item, target)
 
 
-def refuse_unsafe_pickle(data: bytes, fqn: str, url: str) -> None:
-    """Prove an object loads with torch's restricted unpickler before DCP unpickles it."""
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+def safe_object(data: bytes, fqn: str, url: str) -> io.BytesIO:
+    """The stored object, re-serialised by us after torch's restricted unpickler built it.
+
+    DCP's planner unpickles objects with ``weights_only=False``. The stored bytes are
+    loaded here with ``weights_only=True`` (tensors, containers, numbers, strings, whatever
+    ``torch.serialization.add_safe_globals`` allows, and ``io.BytesIO``: DCP torch.saves a
+    state-dict value that is a BytesIO as the BytesIO object, and rebuilding a byte buffer
+    runs no code); then the object is saved again and those bytes go to the planner, so the
+    full unpickler never parses a byte that came from storage.
+    """
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        with _SAFE_GLOBALS_LOCK:  # safe_globals edits a process-wide list: one at a time
+            allowed = torch.serialization.get_safe_globals()
+            extra = contextlib.nullcontext() if io.BytesIO in allowed else \
+                torch.serialization.safe_globals([io.BytesIO])
+            with extra:
+                obj = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal means: not provably safe
         raise FormatError(
             f"object {fqn!r} in {url} needs full unpickling, which can run arbitrary code; "
-            f"pass allow_pickle=True to TurboReader only for checkpoints you trust ({exc})") from exc
+            f"pass allow_pickle=True to TurboReader only for checkpoints you trust, or "
+            f"register its classes with torch.serialization.add_safe_globals ({exc})") from exc
+    out = io.BytesIO()
+    torch.save(obj, out)
+    out.seek(0)
+    return out
 
 
 def frombuffer(buf: Any) -> torch.Tensor:

@@ -23,6 +23,10 @@ class CheckpointNotFound(CkptTurboError, FileNotFoundError):
     """No committed checkpoint (no manifest) exists at the URL."""
 
 
+class CheckpointExists(CkptTurboError, FileExistsError):
+    """A save with ``overwrite=False`` found a committed checkpoint (a manifest) at the URL."""
+
+
 class IntegrityError(CkptTurboError):
     """Bytes read back do not match the BLAKE3 id they were stored under."""
 
@@ -56,6 +60,7 @@ __all__ = [
     "StorageError",
     "StorageAuthError",
     "CheckpointNotFound",
+    "CheckpointExists",
     "IntegrityError",
     "FormatError",
     "MismatchError",

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
+from .checkpoint_id import servable
 from .errors import MismatchError
 from .integrity import verify_chunk
 from .layout import Location, Manifest, ShardRecord
@@ -55,9 +56,16 @@ class TurboReader(StorageReader):
         timeout: seconds before a silent peer makes every rank fail.
         process_group: the group DCP loads with (default: the world); chunks are forwarded
             over it.
-        allow_pickle: DCP's planner unpickles non-tensor objects with
-            ``torch.load(weights_only=False)``; by default the reader first proves each such
-            object loads with ``weights_only=True`` and refuses it otherwise.
+        allow_pickle: the one switch for trusted checkpoints. DCP's planner unpickles
+            non-tensor objects with ``torch.load(weights_only=False)``, which can run any
+            code. By default (False) the reader first loads each object with torch's
+            restricted unpickler (``weights_only=True``, plus ``io.BytesIO`` and whatever
+            ``torch.serialization.add_safe_globals`` allows) and hands the planner a fresh
+            serialisation of what that produced, or refuses the object with ``FormatError``.
+            True hands the stored bytes over unchecked.
+
+    Tensors are read in their stored dtype and copied into the destination, which casts
+    (fp32 stored, bf16 target) exactly as DCP's ``FileSystemReader`` does.
     """
 
     def __init__(
@@ -114,7 +122,8 @@ class TurboReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return isinstance(checkpoint_id, str) or hasattr(checkpoint_id, "__fspath__")
+        """True only for local paths and fsspec URLs whose protocols are installed."""
+        return servable(checkpoint_id)
 
     def read_manifest(self) -> Manifest:
         if self._manifest is None:

@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import catalog, replicas, save_plan
+from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
-from .errors import CkptTurboError, ReplicaMismatchError
+from .errors import CheckpointExists, CkptTurboError, ReplicaMismatchError
 from .layout import Location, ReplicaPrint, ShardPart, build_manifest
 from .save_plan import Assignment, Holdings
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
@@ -52,6 +53,10 @@ class TurboWriter(StorageWriter, AsyncStager):
         on_replica_mismatch: "warn" or "raise" (the checkpoint is then not committed).
         snapshot: copy CPU tensors before upload (set by ``ct.save``; DCP's own sync save
             blocks the caller, so reading CPU tensors in place is safe there).
+        overwrite: as DCP's ``FileSystemWriter``: True (default) replaces a committed
+            checkpoint at the URL (atomically: its manifest is swapped last); False makes a
+            save to a URL that has one raise ``CheckpointExists`` before anything is staged
+            or uploaded, leaving it untouched.
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         replica_check: str = "sample",
         on_replica_mismatch: str = "warn",
         snapshot: bool = False,
+        overwrite: bool = True,
     ) -> None:
         if replica_check not in replicas.MODES:
             raise ValueError("replica_check must be 'sample', 'full' or 'off'")
@@ -84,6 +90,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         self.replica_check = replica_check
         self.on_replica_mismatch = on_replica_mismatch
         self.snapshot = snapshot
+        self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
@@ -133,7 +140,8 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return isinstance(checkpoint_id, str) or hasattr(checkpoint_id, "__fspath__")
+        """True only for local paths and fsspec URLs whose protocols are installed."""
+        return servable(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:
@@ -142,7 +150,20 @@ class TurboWriter(StorageWriter, AsyncStager):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
+    def _refuse_existing(self) -> None:
+        """overwrite=False: a committed checkpoint at the URL stops the save here."""
+        if self.overwrite:
+            return
+        location = self.location
+        if location.store.exists(location.manifest_path):
+            raise CheckpointExists(f"a committed checkpoint already exists at {self.url!r} and "
+                                   "overwrite=False; it was left untouched")
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # As FileSystemWriter, before any planning result is exchanged; one rank asks
+        # storage, DCP hands its failure to every rank.
+        if self.is_coordinator:
+            self._refuse_existing()
         # With the same layout as last time only its signature is sent: the cached plan applies.
         holdings = save_plan.holdings(self.rank, plan, self._last_signature)
         self._last_signature = holdings.signature
@@ -221,7 +242,9 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
         """Copy the state into pool-backed host tensors; the returned future resolves when
-        the copies are complete, and DCP uploads from those copies in the background."""
+        the copies are complete, and DCP uploads from those copies in the background.
+        dcp.async_save stages before it plans, so overwrite=False is checked here too."""
+        self._refuse_existing()
         staged, buffers = stage_state_dict(state_dict, self._ensure_pool, self._copier)
         self._staged_buffers.append(buffers)
         fut: Future[dict[str, Any]] = Future()
