@@ -1,6 +1,7 @@
 """ckptturbo: checkpoint I/O for distributed PyTorch at the speed of the hardware."""
 from .api import delete, load, save
 from .errors import (
+    CheckpointExists,
     CheckpointNotFound,
     CkptTurboError,
     CommunicationError,
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TurboWriter", "TurboReader", "save", "load", "delete", "SaveHandle", "SaveSummary",
     "safe_open", "stream_safetensors",
-    "CkptTurboError", "CheckpointNotFound", "CommunicationError", "FormatError",
+    "CkptTurboError", "CheckpointExists", "CheckpointNotFound", "CommunicationError", "FormatError",
     "IntegrityError", "MismatchError", "PlanError", "ReplicaMismatchError", "SaveInProgress",
     "StorageAuthError", "StorageError",
 ]
