@@ -10,6 +10,7 @@ BLAKE3 id before any of its bytes reach a tensor.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -23,13 +24,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
-from .errors import MismatchError
+from .errors import IntegrityError, MismatchError
 from .integrity import verify_chunk
 from .layout import Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, ReadOnce
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReadChains:
@@ -194,15 +196,25 @@ class TurboReader(StorageReader):
 
     # --- chunk sources ---------------------------------------------------------------
     def _fetch_verified(self, cid: str, out: memoryview | None = None) -> memoryview:
-        location = self.location
+        """A chunk read from storage and verified. A mismatch is read once more before it
+        is reported: a body corrupted in transit reads right the second time, a chunk
+        corrupted at rest does not."""
         size = self._chunk_sizes[cid]
         view = memoryview(bytearray(size)) if out is None else out
-        if size:
-            location.chunk_store.get_into(location.chunk_path(cid), view)
-        with self._lock:
-            self.bytes_from_storage += size
-        self._check(cid, view)
+        self._read_chunk(cid, view)
+        try:
+            self._check(cid, view)
+        except IntegrityError as exc:
+            log.warning("%s; reading it again in case it was corrupted in transit", exc)
+            self._read_chunk(cid, view)
+            self._check(cid, view)
         return view
+
+    def _read_chunk(self, cid: str, view: memoryview) -> None:
+        if len(view):
+            self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
+        with self._lock:
+            self.bytes_from_storage += len(view)
 
     def _check(self, cid: str, data: memoryview) -> None:
         if self.verify:

@@ -90,6 +90,20 @@ def _bound(name: str, given: float | None, default: float) -> float:
 
 
 def _is_transient(exc: BaseException) -> bool:
+    """Worth retrying: timeouts, dropped connections, throttling and 5xx answers. s3fs
+    re-raises S3's answer as a bare ``OSError`` ("We encountered an internal error"), so the
+    exceptions it was raised from are looked at too."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return False
+        if _is_transient_one(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_transient_one(exc: BaseException) -> bool:
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
     name = type(exc).__name__.lower()
