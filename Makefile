@@ -46,7 +46,7 @@ bench: $(VENV)/.installed
 # the long versions of the reliability tests (CI runs the short ones): 50 local and 20 S3
 # crash trials, 10,000 fuzz cases per parser; then 200 async saves with gc (benchmarks/soak.py)
 SOAK_TESTS := tests/test_crash_consistency.py tests/test_manifest_fuzz.py tests/test_reliability.py \
-	tests/test_fault_proxy.py tests/test_catalog.py
+	tests/test_fault_proxy.py tests/test_catalog.py tests/test_storage_faults.py
 soak: $(VENV)/.installed
 	CKPTTURBO_SOAK=1 $(PY) -m pytest -q -rs $(SOAK_TESTS)
 	$(PY) -m benchmarks.soak --out bench-out/soak
