@@ -1,5 +1,5 @@
 """ckptturbo: checkpoint I/O for distributed PyTorch at the speed of the hardware."""
-from .api import delete, load, save
+from .api import delete, load, load_state_dict, save
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -22,7 +22,7 @@ from .writer import TurboWriter
 __version__ = "0.1.0"
 
 __all__ = [
-    "TurboWriter", "TurboReader", "save", "load", "delete", "SaveHandle", "SaveSummary",
+    "TurboWriter", "TurboReader", "save", "load", "load_state_dict", "delete", "SaveHandle", "SaveSummary",
     "safe_open", "stream_safetensors",
     "CkptTurboError", "CheckpointExists", "CheckpointNotFound", "CommunicationError", "FormatError",
     "IntegrityError", "MismatchError", "PlanError", "ReplicaMismatchError", "SaveInProgress",

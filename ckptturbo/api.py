@@ -1,4 +1,5 @@
-"""ct.save / ct.load / ct.delete: thin functions over TurboWriter and TurboReader.
+"""ct.save / ct.load / ct.load_state_dict / ct.delete: thin functions over TurboWriter and
+TurboReader.
 
 ``save`` runs DCP's save in a background thread on a dedicated gloo group (created once),
 so the caller waits only for ``handle.staged``: the copy of its state into host memory.
@@ -21,11 +22,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import catalog
 from .errors import CkptTurboError, CommunicationError, MismatchError, SaveInProgress
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
+from .tree import unflatten
 from .writer import TurboWriter
 
 MAX_WRITERS = 8  # kept for reuse (pool, plan cache); the least recently used is closed
@@ -78,12 +81,13 @@ def _side_group(group: Any) -> Any:
     return _side_groups[key]
 
 
-def _writer_for(url: str, storage_options: dict[str, Any] | None,
-                options: dict[str, Any]) -> tuple[tuple, TurboWriter]:
+def _writer_for(url: str, storage_options: dict[str, Any] | None, options: dict[str, Any],
+                collective: bool) -> tuple[tuple, TurboWriter]:
     """One writer per run and settings, so its pool and plan cache are reused; at most
     MAX_WRITERS are kept, and an evicted one is closed once its save is durable."""
     run = url.rstrip("/").rsplit("/", 1)[0]
-    key = (run, repr(sorted((storage_options or {}).items())), repr(sorted(options.items())))
+    key = (run, collective, repr(sorted((storage_options or {}).items())),
+           repr(sorted(options.items())))
     with _lock:
         writer = _writers.get(key)
         if writer is not None:
@@ -102,15 +106,18 @@ def _writer_for(url: str, storage_options: dict[str, Any] | None,
 
 
 def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
-         storage_options: dict[str, Any] | None = None, planner: Any = None,
-         wait_previous: bool = True, **writer_options: Any) -> SaveHandle:
+         collective: bool = True, storage_options: dict[str, Any] | None = None,
+         planner: Any = None, wait_previous: bool = True, **writer_options: Any) -> SaveHandle:
     """Save asynchronously; returns at once with ``handle.staged`` / ``handle.durable``.
 
-    Every rank of the group calls it. Mutating the state is safe once ``staged`` resolves.
-    A save started while the same writer's previous one is not durable waits for it
-    (``wait_previous=False``: raise SaveInProgress instead).
+    Every rank of the group calls it. ``collective=False``: this process saves alone,
+    whatever the other ranks do (the ``if rank == 0: torch.save(...)`` pattern, which is
+    how Lightning checkpoints DDP); a collective save there would wait for ranks that
+    never join. Mutating the state is safe once ``staged`` resolves. A save started while
+    the same writer's previous one is not durable waits for it (``wait_previous=False``:
+    raise SaveInProgress instead).
     """
-    key, writer = _writer_for(str(url), storage_options, writer_options)
+    key, writer = _writer_for(str(url), storage_options, writer_options, collective)
     previous = _inflight.get(key)
     if previous is not None and not previous.done():
         if not wait_previous:
@@ -119,7 +126,7 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
             previous.durable.result()
         except Exception:  # noqa: BLE001 - its failure belongs to its own handle
             pass
-    group = _side_group(process_group)
+    group = _side_group(process_group) if collective else None
     handle = SaveHandle(str(url))
     _inflight[key] = handle
     started = time.monotonic()
@@ -179,6 +186,50 @@ def load(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
         if inner is exc:
             raise
         raise inner from exc
+
+
+def load_state_dict(url: str, *, storage_options: dict[str, Any] | None = None,
+                    device: Any = "cpu", process_group: Any = None, grouped: bool = True,
+                    allow_pickle: bool = False, templates: dict[str, Any] | None = None,
+                    **reader_options: Any) -> dict[str, Any]:
+    """The whole state dict of a checkpoint, nested as it was saved; no template needed.
+
+    Tensors are allocated on ``device`` from the manifest's shapes and dtypes; objects load
+    with torch's restricted unpickler unless ``allow_pickle`` (trusted checkpoints only).
+    Inside a process group with ``grouped=True`` every rank of it must call this, and each
+    chunk is read from storage once and forwarded; ``grouped=False`` reads from this
+    process alone. ``templates`` maps flat keys (as ``ckptturbo inspect`` lists them) to
+    tensors to fill in place, such as a sharded model's own DTensors, so that each rank
+    reads only its shards.
+    """
+    use_group = grouped and dist.is_available() and dist.is_initialized()
+    group = process_group if use_group else None
+    reader = TurboReader(str(url), storage_options, process_group=group,
+                         allow_pickle=allow_pickle, **reader_options)
+    metadata = reader.read_metadata()
+    missing = sorted(set(templates or ()) - set(metadata.state_dict_metadata))
+    if missing:
+        raise MismatchError(f"checkpoint {url} lacks {len(missing)} entries the caller holds, "
+                            f"e.g. {missing[:5]}")
+    flat: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if templates and key in templates:
+            flat[key] = templates[key]
+        elif isinstance(md, TensorStorageMetadata):
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        else:
+            flat[key] = None
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        with _single_process(not use_group):
+            dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
+                     no_dist=not use_group)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        inner = _unwrap(exc, str(url))
+        if inner is exc:
+            raise
+        raise inner from exc
+    return unflatten(flat, metadata.planner_data, str(url))
 
 
 def _unwrap(exc: BaseException, url: str = "") -> BaseException:

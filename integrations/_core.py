@@ -1,11 +1,9 @@
 """What every adapter needs from ckptturbo, built only on its public surface.
 
-* ``save_tree``: save a nested checkpoint dict asynchronously, either collectively (every
-  rank of the group calls it, through ``ct.save``) or from this process alone (Lightning
-  saves on global rank 0 only, while the other ranks train on: a collective save would
-  hang there, so this process runs DCP without a process group).
-* ``load_tree``: the template-free load: the whole nested dict rebuilt from the manifest,
-  read once and forwarded when every rank of a group calls it.
+* ``save_tree``: save a nested checkpoint dict asynchronously with its exact nesting,
+  either collectively (every rank of the group calls it) or from this process alone
+  (Lightning saves on global rank 0 only, while the other ranks train on). It loads back
+  with ``ct.load_state_dict``.
 * ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
 """
 from __future__ import annotations
@@ -19,20 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
 from ckptturbo import catalog
-
-from ._tree import flatten, unflatten
+from ckptturbo.tree import flatten
 
 log = logging.getLogger(__name__)
-
-_local_writers: dict[tuple, ct.TurboWriter] = {}
-_local_inflight: dict[int, ct.SaveHandle] = {}
-_lock = threading.Lock()
 
 
 def _flat_planner() -> DefaultSavePlanner:
@@ -48,102 +39,8 @@ def save_tree(state: Mapping[str, Any], url: str, *, storage_options: dict[str, 
     collective=True: every rank of ``process_group`` calls it (``ct.save``). False: this
     process alone saves, whatever the process group is doing.
     """
-    flat = flatten(state)
-    if collective:
-        return ct.save(flat, str(url), process_group=process_group, storage_options=storage_options,
-                       planner=_flat_planner(), **writer_options)
-    return _save_alone(flat, str(url), storage_options, writer_options)
-
-
-def _save_alone(flat: dict[str, Any], url: str, storage_options: dict[str, Any] | None,
-                writer_options: dict[str, Any]) -> ct.SaveHandle:
-    run = url.rstrip("/").rsplit("/", 1)[0]
-    key = (run, repr(sorted((storage_options or {}).items())), repr(sorted(writer_options.items())))
-    with _lock:
-        writer = _local_writers.get(key)
-        if writer is None:
-            writer = _local_writers[key] = ct.TurboWriter(url, storage_options, snapshot=True,
-                                                          **writer_options)
-    previous = _local_inflight.get(id(writer))
-    if previous is not None:
-        try:  # one save per writer at a time; its own failure is reported by its handle
-            previous.durable.result()
-        except Exception:  # noqa: BLE001
-            pass
-    handle = ct.SaveHandle(url)
-    _local_inflight[id(writer)] = handle
-
-    def staged() -> None:
-        if not handle.staged.done():
-            handle.staged.set_result(None)
-
-    def run_save() -> None:
-        writer.reset(url)
-        writer.on_staged = staged
-        try:
-            dcp.save(flat, storage_writer=writer, planner=_flat_planner(), no_dist=True)
-            staged()
-            handle.durable.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the futures
-            exc = _unwrap(exc)
-            if not handle.staged.done():
-                handle.staged.set_exception(exc)
-            handle.durable.set_exception(exc)
-        finally:
-            writer.on_staged = None
-
-    threading.Thread(target=run_save, name="ckptturbo-adapter-save", daemon=True).start()
-    return handle
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """DCP wraps a rank's failure in a CheckpointException; surface ckptturbo's own error."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for _, wrapped in sorted(failures.items()):
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(inner, BaseException):
-                return inner
-    return exc
-
-
-def load_tree(url: str, *, storage_options: dict[str, Any] | None = None, grouped: bool = True,
-              process_group: Any = None, device: Any = "cpu", allow_pickle: bool = False,
-              templates: dict[str, Any] | None = None, **reader_options: Any) -> dict[str, Any]:
-    """The whole nested dict of a checkpoint, no template needed.
-
-    grouped=True inside a process group: every rank of it must call this; each chunk is
-    read from storage once and forwarded (TurboReader's grouped load). grouped=False reads
-    from this process alone. Objects load with torch's restricted unpickler unless
-    ``allow_pickle`` (only for checkpoints from a trusted source). ``templates`` maps flat
-    keys to tensors to load in place (a sharded model's own DTensors); the rest is allocated.
-    """
-    use_group = grouped and dist.is_available() and dist.is_initialized()
-    reader = ct.TurboReader(str(url), storage_options, process_group=process_group if use_group else None,
-                            allow_pickle=allow_pickle, **reader_options)
-    metadata = reader.read_metadata()
-    missing = sorted(set(templates or ()) - set(metadata.state_dict_metadata))
-    if missing:
-        raise ct.MismatchError(f"checkpoint {url} lacks {len(missing)} entries the caller holds, "
-                               f"e.g. {missing[:5]}")
-    flat: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if templates and key in templates:
-            flat[key] = templates[key]
-        elif isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        else:
-            flat[key] = None
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    try:
-        dcp.load(flat, storage_reader=reader, planner=planner,
-                 process_group=process_group if use_group else None, no_dist=not use_group)
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        inner = _unwrap(exc)
-        if inner is exc:
-            raise
-        raise inner from exc
-    return unflatten(flat, metadata.planner_data, str(url))
+    return ct.save(flatten(state), str(url), process_group=process_group, collective=collective,
+                   storage_options=storage_options, planner=_flat_planner(), **writer_options)
 
 
 def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckptturbo as ct
+from ckptturbo.tree import SKELETON_KEY, flatten
 
-from ._core import all_ranks, load_tree, rank_and_world, rng_state, save_tree, set_rng_state
-from ._tree import flatten, SKELETON_KEY
+from ._core import all_ranks, rank_and_world, rng_state, save_tree, set_rng_state
 
 
 def _prepared(accelerator: Any, name: str) -> list[Any]:
@@ -88,8 +88,8 @@ def load_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
     """
     templates = flatten(_model_and_optim_state(accelerator))
     templates.pop(SKELETON_KEY)
-    tree = load_tree(str(url), storage_options=storage_options, templates=templates,
-                     allow_pickle=allow_pickle, **reader_options)
+    tree = ct.load_state_dict(str(url), storage_options=storage_options, templates=templates,
+                              allow_pickle=allow_pickle, **reader_options)
     models = _prepared(accelerator, "_models")
     _check_counts(url, "models", tree["models"], models)
     for model, sd in zip(models, tree["models"]):

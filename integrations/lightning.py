@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins import CheckpointIO
 
-from ._core import DeferredGC, load_tree, remove, run_of, save_tree
+import ckptturbo as ct
+from ckptturbo.tree import SKELETON_KEY, flatten
+
+from ._core import DeferredGC, remove, run_of, save_tree
 
 
 class TurboCheckpointIO(CheckpointIO):
@@ -61,8 +64,9 @@ class TurboCheckpointIO(CheckpointIO):
         """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False."""
         self._wait(raise_errors=False)
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        return load_tree(str(path), storage_options=self.storage_options, grouped=self.grouped_load,
-                         device=device, allow_pickle=weights_only is False)
+        return ct.load_state_dict(str(path), storage_options=self.storage_options,
+                                  grouped=self.grouped_load, device=device,
+                                  allow_pickle=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop the checkpoint now; its unshared chunks are freed once in-flight saves are durable."""
@@ -130,8 +134,6 @@ class _TurboShardedCheckpoints:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        from ._tree import SKELETON_KEY, flatten
-
         url = str(self.broadcast(str(checkpoint_path)))
         for handle in self._turbo_handles():
             handle.durable.result()
@@ -139,8 +141,8 @@ class _TurboShardedCheckpoints:
         templates = flatten({"state_dict": get_model_state_dict(self.model),
                              "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]})
         templates.pop(SKELETON_KEY)
-        tree = load_tree(url, storage_options=self.turbo_storage_options, templates=templates,
-                         allow_pickle=weights_only is False)
+        tree = ct.load_state_dict(url, storage_options=self.turbo_storage_options,
+                                  templates=templates, allow_pickle=weights_only is False)
         set_model_state_dict(self.model, tree["state_dict"])
         for opt, sd in zip(optimizers, tree.get("optimizer_states", [])):
             set_optimizer_state_dict(self.model, opt, sd)

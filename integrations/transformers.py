@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 import ckptturbo as ct
 
-from ._core import (DeferredGC, all_ranks, exists, list_checkpoints, load_tree, native_rng_state,
+from ._core import (DeferredGC, all_ranks, exists, list_checkpoints, native_rng_state,
                     rank_and_world, remove, rng_state, save_tree)
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class TurboTrainerMixin:
 
     def _turbo_materialize(self, url: str, local: str) -> None:
         """Write the checkpoint as the Trainer's own files, which its resume path reads."""
-        tree = load_tree(url, storage_options=self.turbo.storage_options)
+        tree = ct.load_state_dict(url, storage_options=self.turbo.storage_options)
         rank, world = rank_and_world()
         torch.save(tree["model"], os.path.join(local, "pytorch_model.bin"))
         if tree.get("optimizer") is not None:
