@@ -17,19 +17,15 @@ import logging
 import os
 import sys
 import threading
-import warnings
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
-import torch
-
 from . import __version__
-from .api import load as ct_load
 from .catalog import collect_garbage, delete_checkpoint, list_checkpoints
-from .errors import CkptTurboError, FormatError, StorageError
+from .errors import CkptTurboError
+from .export import export_dcp, export_safetensors
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
 from .layout import Location, Manifest, dtype_name
-from .store import Store
 
 log = logging.getLogger("ckptturbo.cli")
 
@@ -232,110 +228,19 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 # --- export --------------------------------------------------------------------------
 
-def load_plain(url: str, storage_options: dict[str, Any] | None, manifest: Manifest,
-               names: Sequence[str], allow_pickle: bool = False) -> dict[str, Any]:
-    """Full CPU tensors (and objects) for ``names``, keyed by their flat names.
-
-    Loading into fresh tensors of the manifest's global shapes makes the reader assemble
-    every shard, so the result is independent of the world size that saved it.
-    """
-    sd: dict[str, Any] = {}
-    for name in names:
-        item = manifest.items[name]
-        sd[name] = torch.empty(item.size, dtype=item.dtype) if item.kind == "tensor" else None
-    with warnings.catch_warnings():
-        # one process, no process group: DCP warns that it assumes so; the CLI means it
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        ct_load(sd, url, storage_options=storage_options, strict=False, allow_pickle=allow_pickle)
-    return sd
-
-
-def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None) -> list[list[str]]:
-    """Tensors in name order, cut into groups of at most max_bytes (a bigger tensor alone)."""
-    if max_bytes is None:
-        return [list(names)] if names else []
-    groups: list[list[str]] = []
-    size = 0
-    for name in names:
-        nbytes = sum(s.nbytes for s in manifest.items[name].shards)
-        if not groups or (size + nbytes > max_bytes and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups
-
-
-def export_safetensors(args: argparse.Namespace, manifest: Manifest) -> None:
-    """One file (or HF-style shards plus index) that any safetensors reader opens.
-
-    Shards are loaded and written one at a time, so ``--max-shard-size`` also bounds memory.
-    """
-    from safetensors.torch import save as st_save
-
-    tensors = sorted(n for n, i in manifest.items.items() if i.kind == "tensor")
-    for name in sorted(n for n, i in manifest.items.items() if i.kind == "bytes"):
-        log.warning("skipping object %r: safetensors holds tensors only (use --format dcp)", name)
-    groups = shard_groups(manifest, tensors, args.max_shard_size)
-    if not groups:
-        raise FormatError(f"{args.ckpt} holds no tensors to export")
-    dest = Store(args.dest, args.storage_options)
-    metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
-                "source": args.ckpt, "source_created": iso_time(manifest.created)}
-    files = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    weight_map = {}
-    for file, names in zip(files, groups):
-        sd = load_plain(args.ckpt, args.storage_options, manifest, names)
-        try:
-            data = st_save(sd, metadata=metadata)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise FormatError(f"cannot write {file} as safetensors: {exc}") from exc
-        dest.put(dest.join(dest.root, file), data)
-        weight_map.update(dict.fromkeys(names, file))
-        log.info("wrote %s (%d tensors, %s)", file, len(names), human(len(data)))
-        del sd, data
-    if len(files) > 1:
-        index = {"metadata": {**metadata, "total_size": sum(
-            sum(s.nbytes for s in manifest.items[n].shards) for n in tensors)},
-                 "weight_map": weight_map}
-        dest.put(dest.join(dest.root, "model.safetensors.index.json"),
-                 json.dumps(index, indent=2, sort_keys=True).encode())
-    print(f"exported {len(tensors)} tensors of {args.ckpt} to {args.dest} as "
-          f"{', '.join(files) if len(files) <= 3 else f'{len(files)} safetensors files'}")
-
-
-def export_dcp(args: argparse.Namespace, manifest: Manifest) -> None:
-    """A plain DCP directory for tools that only know FileSystemReader.
-
-    Objects are pickles: loading them runs code from storage, so they are exported only
-    with --allow-pickle, mirroring TurboReader's allow_pickle.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    if "://" in args.dest and not args.dest.startswith("file://"):
-        raise StorageError(f"--format dcp writes to a local directory, not {args.dest!r}")
-    names = sorted(n for n, i in manifest.items.items() if i.kind == "tensor" or args.allow_pickle)
-    for name in sorted(set(manifest.items) - set(names)):
-        log.warning("skipping object %r: pass --allow-pickle to export objects "
-                    "(only for checkpoints you trust)", name)
-    sd = load_plain(args.ckpt, args.storage_options, manifest, names, args.allow_pickle)
-    dest = args.dest.removeprefix("file://")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dest))
-    print(f"exported {len(sd)} items of {args.ckpt} to {dest} as a DCP checkpoint")
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     """Other tools (inference servers, converters) read safetensors or plain DCP, not chunks."""
-    manifest = Location(args.ckpt, args.storage_options).read_manifest()
     if args.format == "safetensors":
-        export_safetensors(args, manifest)
+        tensors, files = export_safetensors(args.ckpt, args.dest, args.storage_options,
+                                            max_shard_size=args.max_shard_size)
+        print(f"exported {tensors} tensors of {args.ckpt} to {args.dest} as "
+              f"{', '.join(files) if len(files) <= 3 else f'{len(files)} safetensors files'}")
     else:
         if args.max_shard_size is not None:
             log.warning("--max-shard-size applies to --format safetensors only; ignored")
-        export_dcp(args, manifest)
+        items = export_dcp(args.ckpt, args.dest, args.storage_options, allow_pickle=args.allow_pickle)
+        print(f"exported {items} items of {args.ckpt} to {args.dest.removeprefix('file://')} "
+              "as a DCP checkpoint")
     return EXIT_OK
 
 

@@ -1,0 +1,120 @@
+"""Convert a checkpoint into files other tools read: safetensors, or a plain DCP directory.
+
+Inference servers and converters do not read chunk stores. Tensors are loaded at their
+global shapes, so the result does not depend on the world size that saved them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import torch
+
+from . import __version__
+from .api import load as ct_load
+from .errors import FormatError, StorageError
+from .layout import Location, Manifest
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+def load_plain(url: str, storage_options: dict[str, Any] | None, manifest: Manifest,
+               names: Sequence[str], allow_pickle: bool = False) -> dict[str, Any]:
+    """Full CPU tensors (and objects) for ``names``, keyed by their flat names.
+
+    Loading into fresh tensors of the manifest's global shapes makes the reader assemble
+    every shard, so the result is independent of the world size that saved it.
+    """
+    sd: dict[str, Any] = {}
+    for name in names:
+        item = manifest.items[name]
+        sd[name] = torch.empty(item.size, dtype=item.dtype) if item.kind == "tensor" else None
+    ct_load(sd, url, storage_options=storage_options, strict=False, allow_pickle=allow_pickle)
+    return sd
+
+
+def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None) -> list[list[str]]:
+    """Tensors in name order, cut into groups of at most max_bytes (a bigger tensor alone)."""
+    if max_bytes is None:
+        return [list(names)] if names else []
+    groups: list[list[str]] = []
+    size = 0
+    for name in names:
+        nbytes = sum(s.nbytes for s in manifest.items[name].shards)
+        if not groups or (size + nbytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any] | None = None,
+                       *, max_shard_size: int | None = None) -> tuple[int, list[str]]:
+    """One file (or HF-style shards plus index) that any safetensors reader opens; returns
+    the number of tensors and the files written.
+
+    Shards are loaded and written one at a time, so ``max_shard_size`` also bounds memory.
+    """
+    from safetensors.torch import save as st_save
+
+    manifest = Location(ckpt, storage_options).read_manifest()
+    tensors = sorted(n for n, i in manifest.items.items() if i.kind == "tensor")
+    for name in sorted(n for n, i in manifest.items.items() if i.kind == "bytes"):
+        log.warning("skipping object %r: safetensors holds tensors only (use --format dcp)", name)
+    groups = shard_groups(manifest, tensors, max_shard_size)
+    if not groups:
+        raise FormatError(f"{ckpt} holds no tensors to export")
+    dest = Store(dest_url, storage_options)
+    created = datetime.fromtimestamp(manifest.created, timezone.utc).isoformat(timespec="seconds")
+    metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
+                "source": ckpt, "source_created": created}
+    files = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map = {}
+    for file, names in zip(files, groups):
+        sd = load_plain(ckpt, storage_options, manifest, names)
+        try:
+            data = st_save(sd, metadata=metadata)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise FormatError(f"cannot write {file} as safetensors: {exc}") from exc
+        dest.put(dest.join(dest.root, file), data)
+        weight_map.update(dict.fromkeys(names, file))
+        log.info("wrote %s (%d tensors, %d bytes)", file, len(names), len(data))
+        del sd, data
+    if len(files) > 1:
+        index = {"metadata": {**metadata, "total_size": sum(
+            sum(s.nbytes for s in manifest.items[n].shards) for n in tensors)},
+                 "weight_map": weight_map}
+        dest.put(dest.join(dest.root, "model.safetensors.index.json"),
+                 json.dumps(index, indent=2, sort_keys=True).encode())
+    return len(tensors), files
+
+
+def export_dcp(ckpt: str, dest: str, storage_options: dict[str, Any] | None = None, *,
+               allow_pickle: bool = False) -> int:
+    """A plain DCP directory for tools that only know FileSystemReader; returns the number
+    of items written.
+
+    Objects are pickles: loading them runs code from storage, so they are exported only
+    with ``allow_pickle``, mirroring TurboReader's switch.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "://" in dest and not dest.startswith("file://"):
+        raise StorageError(f"--format dcp writes to a local directory, not {dest!r}")
+    manifest = Location(ckpt, storage_options).read_manifest()
+    names = sorted(n for n, i in manifest.items.items() if i.kind == "tensor" or allow_pickle)
+    for name in sorted(set(manifest.items) - set(names)):
+        log.warning("skipping object %r: pass --allow-pickle to export objects "
+                    "(only for checkpoints you trust)", name)
+    sd = load_plain(ckpt, storage_options, manifest, names, allow_pickle)
+    with warnings.catch_warnings():
+        # one process, no process group: DCP warns that it assumes so; an export means it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dest.removeprefix("file://")))
+    return len(sd)
