@@ -106,3 +106,47 @@ def test_corrupted_manifest_in_transit_is_never_trusted(s3_server):
             ct.load(out, f"{run}/step-1", storage_options=options)
         assert proxy.stats().faults.get("flip_byte", 0) > 0
     assert all(not v.any() for v in out.values())
+
+
+@pytest.mark.parametrize("kind", ["stall_upload", "stall_download"])
+def test_partition_in_the_middle_of_a_body_fails_within_the_deadline(s3_server, short_deadline,
+                                                                     kind):
+    """Every chunk transfer goes silent part-way through its body, the connection open:
+    the save (or load) fails with StorageError within one deadline, not once per chunk."""
+    run = s3_server.url(f"partition-{kind}")
+    sd = _state(4)
+    url = f"{run}/step-1"
+    upload = kind == "stall_upload"
+    if not upload:
+        ct.save(sd, url, storage_options=s3_server.storage_options, **CHUNKING).wait(timeout=120)
+    faults = Faults(**{kind: 1.0}, methods=("PUT",) if upload else ("GET",),
+                    path_contains="/chunks/")
+    with FaultProxy(s3_server.endpoint, faults=faults) as proxy:
+        options = proxy.storage_options(s3_server.storage_options)
+        started = time.monotonic()
+        with pytest.raises(ct.StorageError):
+            if upload:
+                ct.save(sd, url, storage_options=options, **CHUNKING).wait(timeout=120)
+            else:
+                _load(sd, url, options)
+        assert time.monotonic() - started < 4 + 1 + 5
+        assert proxy.stats().faults.get(kind, 0) > 0
+    names = [c.name for c in catalog.list_checkpoints(run, s3_server.storage_options)]
+    assert names == ([] if upload else ["step-1"])
+
+
+def test_bodies_that_stall_now_and_then_are_retried_bit_exact(s3_server, monkeypatch):
+    """8% of requests go silent mid-body (uploads and downloads): each such attempt times
+    out after the request timeout and is retried; the save and load are bit-exact."""
+    monkeypatch.setenv("CKPTTURBO_REQUEST_TIMEOUT", "1")
+    sd = _state(5)
+    url = f"{s3_server.url('stalls')}/step-1"
+    with FaultProxy(s3_server.endpoint, seed=5,
+                    faults=Faults(stall_upload=0.04, stall_download=0.04)) as proxy:
+        options = proxy.storage_options(s3_server.storage_options)
+        ct.save(sd, url, storage_options=options, **CHUNKING).wait(timeout=120)
+        loaded = _load(sd, url, options)
+        stalls = proxy.stats().faults
+    assert stalls.get("stall_upload", 0) > 0 and stalls.get("stall_download", 0) > 0, stalls
+    for name, tensor in sd.items():
+        assert torch.equal(loaded[name], tensor), name
