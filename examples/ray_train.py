@@ -24,7 +24,6 @@ log = logging.getLogger("ray_train_example")
 
 
 def train_fn(config: dict) -> None:
-    import ray.train
     from ray.train.torch import prepare_model
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

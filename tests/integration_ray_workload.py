@@ -57,6 +57,9 @@ def train_fn(config: dict) -> None:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optim.step()
+        # a training step's compute: it leaves the gc after each durable save (on rank 0)
+        # time to run before the next save's pending marker defers it
+        time.sleep(config.get("step_s", 0.0))
         if step % config["every"] == 0:
             msd, osd = get_state_dict(model, optim)
             state = {"model": msd, "optim": osd,

@@ -29,7 +29,7 @@ import torch
 
 import ckptturbo as ct
 from ckptturbo import catalog
-from ckptturbo.errors import CheckpointNotFound, SaveInProgress
+from ckptturbo.errors import SaveInProgress
 from ckptturbo.layout import Location, RunStore
 from ckptturbo.lease import LEASE_ENV
 
@@ -146,7 +146,7 @@ def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request)
         # committed checkpoint loadable
         ct.save(state_of(999), f"{run}/step-999", storage_options=options,
                 chunk_size=256 << 10, pack_threshold=64 << 10).wait(timeout=120)
-        assert f"step-999" in _check_visible_state(run, options), out[-2000:]
+        assert "step-999" in _check_visible_state(run, options), out[-2000:]
     assert seen_committed > 0  # the delays let some saves commit before the kill
 
 

@@ -53,7 +53,8 @@ def _fit(server, prefix: str, name: str, out: str, kill_at: int | None = None):
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={"out": out, "storage_options": server.storage_options,
-                           "steps": STEPS, "every": EVERY, "kill_at": kill_at},
+                           "steps": STEPS, "every": EVERY, "kill_at": kill_at,
+                           "step_s": 0.5},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(name=name, storage_path=prefix, storage_filesystem=_arrow_fs(server),
                              checkpoint_config=CheckpointConfig(num_to_keep=KEEP),

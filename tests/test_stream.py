@@ -462,7 +462,7 @@ def _rank_stream(rank: int, world: int, url: str, options: dict, limit: int | No
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_read_once_across_ranks(s3_server, tmp_path, world):
-    want = sharded_model(str(tmp_path / "m"), nshards=2, per_shard=4, size=300_000)
+    sharded_model(str(tmp_path / "m"), nshards=2, per_shard=4, size=300_000)
     url = upload_dir(s3_server, str(tmp_path / "m"))
     limit = 2 * MiB
     results = run_distributed(_rank_stream, world, url, s3_server.storage_options, limit,
