@@ -15,6 +15,10 @@ class StorageError(CkptTurboError):
     """An object store or file system operation failed after retries."""
 
 
+class ShortReadError(StorageError):
+    """An object holds fewer bytes than were asked for (truncated at rest, or cut short)."""
+
+
 class StorageAuthError(StorageError):
     """Credentials are missing, wrong, or lack permission for the URL."""
 

@@ -57,10 +57,16 @@ def verify_chunk(location: Location, manifest: Manifest, url: str, cid: str,
     """Raise IntegrityError naming the chunk, its hash and the items it breaks, unless
     ``data`` hashes to ``cid``."""
     actual = chunk_id(data)
-    if actual == cid:
-        return
+    if actual != cid:
+        raise damaged_chunk(location, manifest, url, cid,
+                            f"corrupt: expected BLAKE3 {cid}, got {actual}")
+
+
+def damaged_chunk(location: Location, manifest: Manifest, url: str, cid: str,
+                  problem: str) -> IntegrityError:
+    """The error for a chunk that is corrupt, truncated or missing, naming what it breaks."""
     users = users_of(manifest, cid)
-    raise IntegrityError(
-        f"chunk {location.chunk_path(cid)} is corrupt: expected BLAKE3 {cid}, got {actual}; "
+    return IntegrityError(
+        f"chunk {location.chunk_path(cid)} is {problem}; "
         f"it holds bytes of {', '.join(map(repr, users[:USERS_SHOWN]))}"
         f"{' ...' if len(users) > USERS_SHOWN else ''} in checkpoint {url}")

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
-from .errors import IntegrityError, MismatchError
-from .integrity import verify_chunk
+from .errors import CheckpointNotFound, IntegrityError, MismatchError, ShortReadError
+from .integrity import damaged_chunk, verify_chunk
 from .layout import Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
@@ -196,25 +196,28 @@ class TurboReader(StorageReader):
 
     # --- chunk sources ---------------------------------------------------------------
     def _fetch_verified(self, cid: str, out: memoryview | None = None) -> memoryview:
-        """A chunk read from storage and verified. A mismatch is read once more before it
+        """A chunk read from storage and verified. A damaged one is read once more before it
         is reported: a body corrupted in transit reads right the second time, a chunk
-        corrupted at rest does not."""
+        corrupted, truncated or deleted at rest does not."""
         size = self._chunk_sizes[cid]
         view = memoryview(bytearray(size)) if out is None else out
-        self._read_chunk(cid, view)
         try:
-            self._check(cid, view)
+            self._read_checked(cid, view)
         except IntegrityError as exc:
-            log.warning("%s; reading it again in case it was corrupted in transit", exc)
-            self._read_chunk(cid, view)
-            self._check(cid, view)
+            log.warning("%s; reading it again in case it was damaged in transit", exc)
+            self._read_checked(cid, view)
         return view
 
-    def _read_chunk(self, cid: str, view: memoryview) -> None:
-        if len(view):
-            self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
+    def _read_checked(self, cid: str, view: memoryview) -> None:
+        try:
+            if len(view):
+                self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
+        except (ShortReadError, CheckpointNotFound) as exc:
+            problem = "missing" if isinstance(exc, CheckpointNotFound) else f"truncated ({exc})"
+            raise damaged_chunk(self.location, self.read_manifest(), self.url, cid, problem) from exc
         with self._lock:
             self.bytes_from_storage += len(view)
+        self._check(cid, view)
 
     def _check(self, cid: str, data: memoryview) -> None:
         if self.verify:

@@ -34,7 +34,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFound, StorageAuthError, StorageError
+from .errors import CheckpointNotFound, ShortReadError, StorageAuthError, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -352,7 +352,7 @@ class Store:
                 while got < len(out):
                     n = f.readinto(out[got:])
                     if not n:
-                        raise StorageError(f"short read of {path}: {got} of {len(out)} bytes")
+                        raise ShortReadError(f"short read of {path}: {got} of {len(out)} bytes")
                     got += n
 
         if self.is_local:
@@ -360,7 +360,7 @@ class Store:
             return
         data = self.get(path, start, start + len(out))
         if len(data) != len(out):
-            raise StorageError(f"short read of {self.url_of(path)}: {len(data)} of {len(out)} bytes")
+            raise ShortReadError(f"short read of {self.url_of(path)}: {len(data)} of {len(out)} bytes")
         out[:] = data
 
     # --- metadata

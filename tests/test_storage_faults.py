@@ -136,13 +136,13 @@ def test_partition_in_the_middle_of_a_body_fails_within_the_deadline(s3_server, 
 
 
 def test_bodies_that_stall_now_and_then_are_retried_bit_exact(s3_server, monkeypatch):
-    """8% of requests go silent mid-body (uploads and downloads): each such attempt times
+    """16% of requests go silent mid-body (8% uploads, 8% downloads): each such attempt times
     out after the request timeout and is retried; the save and load are bit-exact."""
     monkeypatch.setenv("CKPTTURBO_REQUEST_TIMEOUT", "1")
     sd = _state(5)
     url = f"{s3_server.url('stalls')}/step-1"
-    with FaultProxy(s3_server.endpoint, seed=5,
-                    faults=Faults(stall_upload=0.04, stall_download=0.04)) as proxy:
+    with FaultProxy(s3_server.endpoint, seed=1,
+                    faults=Faults(stall_upload=0.08, stall_download=0.08)) as proxy:
         options = proxy.storage_options(s3_server.storage_options)
         ct.save(sd, url, storage_options=options, **CHUNKING).wait(timeout=120)
         loaded = _load(sd, url, options)
