@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from ckptturbo.testing import embedded_s3
 
+    args.out = os.path.abspath(args.out)  # Ray workers run in a directory of their own
     os.makedirs(args.out, exist_ok=True)
     server = embedded_s3.start(tempfile.mkdtemp(prefix="seaweed"))
     report: dict[str, Any] = {}

@@ -12,15 +12,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 import ckptturbo as ct
 from ckptturbo.testing.launcher import run_distributed
 from ckptturbo.tree import flatten
-
-
-def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 64)).sum().backward()
-    optim.step()
-    return model, optim
+from test_dcp_distributed import _model_and_optim
 
 
 def _assert_same(a, b, path: str = "") -> None:
