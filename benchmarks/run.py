@@ -74,6 +74,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="S3 scenarios: cap every connection to SeaweedFS at this many MB/s "
                         "(10^6 bytes/s) each way, like a remote object store's per-stream limit "
                         "(default: no cap; give it its own --out)")
+    p.add_argument("--verify", choices=["storage", "all"], default="storage",
+                   help="grouped-load: TurboReader(verify=...): chunks hashed by the rank that read "
+                        "them (default), or again by every rank that receives them")
     p.add_argument("--skip", action="append", default=[], help="all: scenarios to leave out")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -103,7 +106,7 @@ def run_all(args: argparse.Namespace) -> int:
                "--ranks", str(args.ranks)]
         for opt, value in (("--size-mb", args.size_mb), ("--reps", args.reps),
                            ("--workdir", args.workdir), ("--pool-mb", args.pool_mb),
-                           ("--conn-mbps", args.conn_mbps or None)):
+                           ("--conn-mbps", args.conn_mbps or None), ("--verify", args.verify)):
             if value is not None:
                 cmd += [opt, str(value)]
         for s in args.storage or []:

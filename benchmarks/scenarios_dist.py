@@ -138,9 +138,10 @@ def one_big_replicated(args: Any) -> Report:
 
 # --------------------------------------------------------------------------- grouped load
 def _load_rank(rank: int, world: int, backends: dict[str, Backend], size: int, reps: int,
-               urls: dict[str, dict[str, str]] | None, sides: tuple[str, ...]) -> dict[str, Any]:
+               urls: dict[str, dict[str, str]] | None, sides: tuple[str, ...],
+               verify: str = "storage") -> dict[str, Any]:
     """Every rank loads the whole state. Without ``urls`` the group first saves it (both
-    sides, every backend, untimed)."""
+    sides, every backend, untimed). ``verify``: the TurboReader's setting."""
     sd = transformer_state(size)
     expected = digests(sd)
     if urls is None:
@@ -158,7 +159,7 @@ def _load_rank(rank: int, world: int, backends: dict[str, Backend], size: int, r
                 zero_(sd)
                 reset_fsspec_caches()
                 url = urls[where][side]
-                reader = be.ct_reader(url) if side == "ckptturbo" else be.dcp_reader(url)
+                reader = be.ct_reader(url, verify=verify) if side == "ckptturbo" else be.dcp_reader(url)
                 barrier_time()
                 served = be.served() if rank == 0 else None
                 t0 = barrier_time()
@@ -189,13 +190,15 @@ def grouped_load(args: Any) -> Report:
     size = args.size_mb * MiB
     world = args.ranks
     small = max(2, world // 2)
-    report = Report("grouped-load", {"size_mb": args.size_mb, "ranks": world, "reps": args.reps})
+    verify = args.verify
+    report = Report("grouped-load", {"size_mb": args.size_mb, "ranks": world, "reps": args.reps,
+                                     "verify": verify})
     with environment("s3", args.workdir, args.conn_mbps) as s3, environment("local", args.workdir) as local:
         backends = {"s3": s3.backend, "local": local.backend}
-        big = run_distributed(_load_rank, world, backends, size, args.reps, None, SIDES,
+        big = run_distributed(_load_rank, world, backends, size, args.reps, None, SIDES, verify,
                               **rank_options(world))[0]
         few = run_distributed(_load_rank, small, backends, size, args.reps, big["urls"],
-                              ("ckptturbo",), **rank_options(small))[0]
+                              ("ckptturbo",), verify, **rank_options(small))[0]
         ceiling = storage_ceiling(s3.backend, min(256 * MiB, max(32 * MiB, size)))
     report.raw["storage_ceiling"] = ceiling
     report.raw.update({f"{world}_ranks": big, f"{small}_ranks": few})

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import catalog
 from .errors import CkptTurboError, CommunicationError, MismatchError, SaveInProgress
+from .groups import dedicated_gloo_group
 from .reader import TurboReader
 from .staging import SaveHandle, SaveSummary
 from .tree import unflatten
@@ -35,7 +36,6 @@ MAX_WRITERS = 8  # kept for reuse (pool, plan cache); the least recently used is
 
 _writers: collections.OrderedDict[tuple, TurboWriter] = collections.OrderedDict()
 _inflight: dict[tuple, SaveHandle] = {}
-_side_groups: dict[Any, Any] = {}
 _lock = threading.Lock()
 _SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
                            r"assuming the intent is to (save|load) in a single process")
@@ -68,17 +68,6 @@ def _single_process(no_dist: bool) -> Iterator[None]:
                 warnings.filters[:] = [f for f in warnings.filters
                                        if not (f[0] == "ignore" and f[1] is not None
                                                and f[1].pattern == _SINGLE_PROCESS_WARNING)]
-
-
-def _side_group(group: Any) -> Any:
-    """A gloo group over the same ranks, created once (a collective: every rank calls it)."""
-    if not dist.is_initialized():
-        return None
-    key = group or dist.group.WORLD
-    if key not in _side_groups:
-        ranks = dist.get_process_group_ranks(key)
-        _side_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _side_groups[key]
 
 
 def _writer_for(url: str, storage_options: dict[str, Any] | None, options: dict[str, Any],
@@ -126,7 +115,7 @@ def save(state_dict: dict[str, Any], url: str, *, process_group: Any = None,
             previous.durable.result()
         except Exception:  # noqa: BLE001 - its failure belongs to its own handle
             pass
-    group = _side_group(process_group) if collective else None
+    group = dedicated_gloo_group(process_group, "save") if collective else None
     handle = SaveHandle(str(url))
     _inflight[key] = handle
     started = time.monotonic()

@@ -5,7 +5,8 @@ Each rank works out which chunks its read items touch; with a process group and
 ``broadcast=True`` the coordinator assigns every chunk to one reader among the ranks that
 need it and the others receive it down a pipelined chain (``broadcast.py``), so storage
 serves each chunk once however many ranks load it. Every chunk is checked against its
-BLAKE3 id before any of its bytes reach a tensor.
+BLAKE3 id by the rank that read it from storage, before any of its bytes reach a tensor
+or a peer.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
 from .errors import CheckpointNotFound, IntegrityError, MismatchError, ShortReadError
+from .groups import TRANSPORTS, host_transport_group
 from .integrity import damaged_chunk, verify_chunk
 from .layout import Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
@@ -47,7 +49,10 @@ class TurboReader(StorageReader):
     Args:
         url: checkpoint location (path or fsspec URL).
         storage_options: passed to fsspec unchanged.
-        verify: check every chunk's BLAKE3 id (default True).
+        verify: where chunks are checked against their BLAKE3 ids. True or "storage"
+            (default): by the rank that read them from storage, before they reach a tensor
+            or are forwarded; "all": every receiving rank checks them again too (one more
+            hash of every forwarded byte per rank); False: not at all (trusted storage).
         broadcast: with a process group, read each chunk from storage once and forward
             it to the other ranks that need it. "auto" (default) does so for object stores;
             local files are read by every rank, since ranks of one node share the page
@@ -56,8 +61,11 @@ class TurboReader(StorageReader):
         read_ahead_bytes: how many fetched-but-unconsumed bytes a rank may hold.
         piece_size: forwarding unit of the chain broadcast.
         timeout: seconds before a silent peer makes every rank fail.
-        process_group: the group DCP loads with (default: the world); chunks are forwarded
-            over it.
+        process_group: the group DCP loads with (default: the world).
+        transport: how forwarded chunks travel, as host buffers on a gloo group. "auto":
+            on ``process_group`` itself when it carries CPU tensors (gloo, or
+            "cpu:gloo,cuda:nccl"), else (NCCL) on a gloo group over its ranks, created
+            once; "gloo": always on such a dedicated group, apart from the job's traffic.
         allow_pickle: the one switch for trusted checkpoints. DCP's planner unpickles
             non-tensor objects with ``torch.load(weights_only=False)``, which can run any
             code. By default (False) the reader first loads each object with torch's
@@ -75,17 +83,23 @@ class TurboReader(StorageReader):
         url: str,
         storage_options: dict[str, Any] | None = None,
         *,
-        verify: bool = True,
+        verify: bool | str = True,
         broadcast: bool | str = "auto",
         read_ahead_bytes: int = 1 << 30,
         piece_size: int = 8 << 20,
         timeout: float = 300.0,
         allow_pickle: bool = False,
         process_group: Any = None,
+        transport: str = "auto",
     ) -> None:
         self.url = str(url)
         self.storage_options = storage_options
         self.verify = verify
+        self.verify_mode = verify_mode(verify)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
+        self.transport_group: Any = None
         self.broadcast = broadcast
         self.read_ahead_bytes = read_ahead_bytes
         self.piece_size = piece_size
@@ -95,6 +109,7 @@ class TurboReader(StorageReader):
         self.rank = 0
         self.is_coordinator = True
         self.bytes_from_storage = 0
+        self.chunks_verified = 0
         self._location: Location | None = None
         self._manifest: Manifest | None = None
         self._shards: dict[MetadataIndex, ShardRecord] = {}
@@ -103,7 +118,7 @@ class TurboReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_location=None, _lock=None, process_group=None)
+        state.update(_location=None, _lock=None, process_group=None, transport_group=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -117,6 +132,7 @@ class TurboReader(StorageReader):
             self._location = None
             self._manifest = None
         self.bytes_from_storage = 0
+        self.chunks_verified = 0
 
     @property
     def checkpoint_id(self) -> str:
@@ -220,8 +236,10 @@ class TurboReader(StorageReader):
         self._check(cid, view)
 
     def _check(self, cid: str, data: memoryview) -> None:
-        if self.verify:
+        if self.verify_mode != "off":
             verify_chunk(self.location, self.read_manifest(), self.url, cid, data)
+            with self._lock:
+                self.chunks_verified += 1
 
     def _finisher(self, planner: LoadPlanner) -> Any:
         return lambda job: finish_job(job, planner, self.allow_pickle, self.url)
@@ -255,16 +273,29 @@ class TurboReader(StorageReader):
             if cid in wanted:
                 arrivals.put(cid, data)
 
-        engine = ReadOnce([chains.assignments], group=self.process_group, fetch=self._fetch_verified,
+        self.transport_group = host_transport_group(self.process_group, self.transport)
+        engine = ReadOnce([chains.assignments], group=self.transport_group, fetch=self._fetch_verified,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
-                          check=self._check if self.verify else None,
+                          check=self._check if self.verify_mode != "off" else None,
+                          check_all=self.verify_mode == "all",
                           settings=ChainSettings(self.piece_size, timeout=self.timeout))
         engine.start()
         try:
             consume(jobs, arrivals, self._finisher(planner), lambda cid: None)  # dropped once used
         finally:
             engine.close(timeout=self.timeout)
+
+
+def verify_mode(verify: bool | str) -> str:
+    """"storage", "all" or "off" for a ``verify`` argument; anything else is an error."""
+    if verify is True or verify == "storage":
+        return "storage"
+    if verify == "all":
+        return "all"
+    if verify is False:
+        return "off"
+    raise ValueError(f"verify must be True, False, 'storage' or 'all', got {verify!r}")
 
 
 def _stored_dtype(manifest: Manifest, item: ReadItem) -> torch.dtype | None:

@@ -25,9 +25,14 @@ Memory: before each batch the engine calls ``reserve(batch)``, which may block u
 consumer has freed room (and returns False to stop); a caller without its own bound
 passes one batch and no ``reserve``, and the prefetcher's budget bounds the read-ahead.
 
-Failures never break a chain. A head that cannot read or verify its unit forwards zeros
-(every receiver's ``check`` then fails and names the unit) and a receiver whose copy fails
-``check`` keeps forwarding; neither is delivered. Once the pass is over, ``done`` gets the
+Verification happens where bytes leave storage: ``fetch`` verifies what a head read,
+before the first piece goes down the chain, so receivers need not hash again (on GPUs
+that would cost a device-to-host copy of every forwarded byte). Failures never break a
+chain: a head that cannot read or verify its unit forwards zeros, and a receiver runs
+``check`` on every all-zero unit it gets (a scan, far cheaper than a hash), so a failed
+head's zeros fail it and name the unit while a genuine all-zero unit passes; with
+``check_all`` receivers check every unit (a defence against bytes damaged between
+ranks). A receiver whose copy fails keeps forwarding; neither is delivered. Once the pass is over, ``done`` gets the
 first failure (the broadcaster's own, such as a dead peer, first), so no rank is left
 waiting on a peer that gave up.
 """
@@ -76,18 +81,20 @@ class ReadOnce:
         done: called once at the end with the first failure, or None.
         submit: runs fetches (the store's pool), ``streams`` at a time.
         budget: bounds the bytes this rank has read ahead for its chains.
-        check: verifies a unit received from a peer (None: trust the head's check).
+        check: verifies a unit received from a peer (None: trust the head's check); run
+            on all-zero units, or on every unit with ``check_all``.
         reserve: called before each batch; False stops the pass.
     """
 
     def __init__(self, batches: Sequence[Sequence[ChainAssignment]], *, group: dist.ProcessGroup | None,
                  fetch: Fetch, deliver: Deliver, done: Callable[[BaseException | None], None],
                  submit: Callable[..., Future], budget: MemoryBudget, streams: int,
-                 check: Check | None = None,
+                 check: Check | None = None, check_all: bool = False,
                  reserve: Callable[[Sequence[ChainAssignment]], bool] | None = None,
                  settings: ChainSettings = ChainSettings()) -> None:
         self.rank = dist.get_rank(group)
         self._deliver, self._done, self._check, self._reserve = deliver, done, check, reserve
+        self._check_all = check_all
         self._fetch = fetch
         self.broadcaster = ChainBroadcaster(group, piece_size=settings.piece_size,
                                             max_inflight=settings.max_inflight, timeout=settings.timeout)
@@ -163,13 +170,18 @@ class ReadOnce:
             return
         key = self._keys[t.tid]
         data = memoryview(buffer.cpu().numpy()).cast("B")
-        if t.chain[0] != self.rank and self._check is not None:
+        if self._must_check(t, buffer):
             try:
                 self._check(key, data)
             except CkptTurboError as exc:
                 self.failures.append(exc)
                 return
         self._deliver(key, data)
+
+    def _must_check(self, t: Transfer, buffer: torch.Tensor) -> bool:
+        if t.chain[0] == self.rank or self._check is None:
+            return False
+        return self._check_all or not bool(buffer.any())
 
 
 class Arrivals:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from .. import errors
+from ..groups import host_transport_group
 from ..plan import ChainAssignment, ReadNeed, plan_reads
 from ..prefetch import MemoryBudget, Read
 from ..readonce import ChainSettings, ReadOnce
@@ -39,16 +40,14 @@ BROADCAST_TIMEOUT = 300.0
 UNBOUNDED = 1 << 62  # head reads are reserved per batch, not again by the prefetcher
 
 
-def check_group(group: Any) -> int:
-    """Size of the group to stream across; it must carry CPU tensors (gloo), which the
-    byte forwarding uses whatever ``device`` the tensors end up on."""
-    if not dist.is_initialized():
-        return 1
-    backend = str(dist.get_backend(group))
-    if "gloo" not in backend:
-        raise ValueError(f"process_group has backend {backend!r}; streaming forwards bytes in host "
-                         "memory and needs a gloo group: dist.new_group(backend='gloo')")
-    return dist.get_world_size(group)
+def stream_group(group: Any) -> tuple[Any, int]:
+    """The group bytes are forwarded on, and its size: ``group`` itself when it carries
+    host memory (gloo), else a gloo group over the same ranks (an NCCL group of
+    tensor-parallel workers), created once. Every rank of ``group`` calls this."""
+    if group is None or not dist.is_initialized():
+        return None, 1
+    transport = host_transport_group(group, purpose="stream")
+    return transport, dist.get_world_size(transport)
 
 
 def describe_collectively(group: Any, describe: Callable[[], list[StreamFile]],

@@ -34,7 +34,7 @@ from ..errors import MismatchError
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from .cache import DiskCache
 from .device import Destination
-from .distributed import ReadOnceFeed, check_group, describe_collectively
+from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
 from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
 from .options import StreamOptions
@@ -74,8 +74,8 @@ class SafetensorsStream:
         self.options = opts
         self.device = torch.device(opts.device)
         self.dtype = opts.dtype
-        self._group = opts.process_group
-        self._dist = opts.process_group is not None and check_group(opts.process_group) > 1
+        self._group, world = stream_group(opts.process_group)
+        self._dist = world > 1
         if not isinstance(spec, str) and not spec:
             raise ValueError("stream_safetensors needs a URL, a directory or a non-empty list of URLs")
         first = spec if isinstance(spec, str) else spec[0]
@@ -257,8 +257,9 @@ def stream_safetensors(url_or_dir_or_list: str | Sequence[str], options: StreamO
     left as None come from ``profile`` ("model-load", "small-files", a dict, or None for
     the profile :func:`~ckptturbo.stream.calibrate.calibrate` saved for this endpoint,
     else "model-load": 32 MiB ranges, 32 streams, lookahead 2, memory_limit 2 GiB).
-    ``process_group`` (gloo): every rank of the group gets every tensor while storage
-    serves each byte once (see ``distributed``); all ranks must pass the same arguments
+    ``process_group`` (gloo or NCCL, such as tensor-parallel workers' group): every rank
+    of the group gets every tensor while storage serves each byte once, forwarded in host
+    memory over gloo (see ``distributed``); all ranks must pass the same arguments
     and consume the whole stream. ``cache_dir`` enables the local-disk cache (see
     ``cache``): a later load with the same settings makes no request at all. Pickle
     checkpoints (.bin/.pt/...) are refused with FormatError.

@@ -19,7 +19,7 @@ class StreamOptions:
     win. ``memory_limit`` bounds the bytes the streamer holds (ranges in flight or
     waiting, pinned staging buffers); yielded tensors belong to the caller. ``dtype``
     casts floating-point tensors (not FP8); ``names`` restricts the tensors (and the
-    bytes read); ``process_group`` (gloo) reads once across its ranks; ``cache_dir``
+    bytes read); ``process_group`` (gloo or NCCL) reads once across its ranks; ``cache_dir``
     enables the local-disk cache, ``cache_validate`` re-lists the files to catch changed
     objects; ``profiles_file`` overrides where calibrated profiles are looked up.
     """

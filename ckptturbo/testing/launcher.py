@@ -111,7 +111,7 @@ def _child(spec: _ChildSpec, rank: int, conn: multiprocessing.connection.Connect
     try:
         if spec.setup is not None:
             spec.setup(rank)
-        if spec.backend == "nccl":
+        if spec.backend is not None and "nccl" in spec.backend:
             torch.cuda.set_device(rank)
         if spec.backend is not None:
             dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}",
