@@ -54,6 +54,15 @@ def get(c, bucket: str, key: str) -> bytes:
     return c.get_object(Bucket=bucket, Key=key)["Body"].read()
 
 
+def settled_stats(proxy, timeout_s: float = 5.0):
+    """The counters once the proxy has booked the last answer: the client holds every byte of
+    a response a moment before the proxy's sending thread returns and counts it."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := proxy.stats()).in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stats
+
+
 def test_passes_requests_through_and_counts_bytes(s3_server, objects):
     with FaultProxy(s3_server.endpoint) as proxy:
         c = client(proxy.endpoint, s3_server)
@@ -66,7 +75,7 @@ def test_passes_requests_through_and_counts_bytes(s3_server, objects):
         listed = c.list_objects_v2(Bucket=bucket, Prefix=objects["blob"])
         assert {o["Key"] for o in listed["Contents"]} == {objects["blob"], objects["blob"] + ".copy"}
         c.delete_object(Bucket=bucket, Key=objects["blob"] + ".copy")
-        stats = proxy.stats()
+        stats = settled_stats(proxy)
     assert stats.requests == 6 and stats.connections >= 1
     assert len(BLOB) < stats.bytes_up < len(BLOB) + (64 << 10)  # the PUT body, plus heads
     assert len(BLOB) < stats.bytes_down < len(BLOB) + (64 << 10)  # the GET, plus the rest
@@ -302,7 +311,7 @@ def test_proxy_process_is_controlled_from_outside(s3_server, objects):
     with ProxyProcess(s3_server.endpoint, seed=1) as proxy:
         c = client(proxy.endpoint, s3_server)
         assert get(c, s3_server.bucket, objects["small"]) == b"x" * 1000
-        stats = proxy.control.stats()
+        stats = settled_stats(proxy.control)
         assert stats.requests == 1 and stats.bytes_down > 1000
         proxy.control.reset_stats()
         assert proxy.control.stats().requests == 0
