@@ -28,7 +28,7 @@ from .checkpoint_id import servable
 from .errors import CheckpointNotFound, IntegrityError, MismatchError, ShortReadError
 from .groups import TRANSPORTS, host_transport_group
 from .integrity import damaged_chunk, verify_chunk
-from .layout import Location, Manifest, ShardRecord
+from .layout import READS_OF_A_DAMAGED_OBJECT, Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, ReadOnce
@@ -212,16 +212,18 @@ class TurboReader(StorageReader):
 
     # --- chunk sources ---------------------------------------------------------------
     def _fetch_verified(self, cid: str, out: memoryview | None = None) -> memoryview:
-        """A chunk read from storage and verified. A damaged one is read once more before it
-        is reported: a body corrupted in transit reads right the second time, a chunk
-        corrupted, truncated or deleted at rest does not."""
+        """A chunk read from storage and verified. A damaged one is read again (up to
+        READS_OF_A_DAMAGED_OBJECT reads) before it is reported: a body corrupted in transit
+        reads right a later time, a chunk corrupted, truncated or deleted at rest does not."""
         size = self._chunk_sizes[cid]
         view = memoryview(bytearray(size)) if out is None else out
-        try:
-            self._read_checked(cid, view)
-        except IntegrityError as exc:
-            log.warning("%s; reading it again in case it was damaged in transit", exc)
-            self._read_checked(cid, view)
+        for _ in range(READS_OF_A_DAMAGED_OBJECT - 1):
+            try:
+                self._read_checked(cid, view)
+                return view
+            except IntegrityError as exc:
+                log.warning("%s; reading it again in case it was damaged in transit", exc)
+        self._read_checked(cid, view)  # the last read's error is the report
         return view
 
     def _read_checked(self, cid: str, view: memoryview) -> None:

@@ -40,6 +40,7 @@ JOB = Path(__file__).parent / "jobs" / "save_loop.py"
 SOAK = bool(os.environ.get("CKPTTURBO_SOAK"))
 TRIALS = {"local": 50 if SOAK else 3, "s3": 20 if SOAK else 2}
 GC_TRIALS = {"local": 20 if SOAK else 2, "s3": 10 if SOAK else 1}
+pytestmark = pytest.mark.timeout(3600 if SOAK else 600)  # 50 killed jobs take ~11 min
 LEASE = 2.0  # the jobs' pending-marker lease: a dead job holds gc back this long
 
 

@@ -92,6 +92,7 @@ class Faults:
     flip_byte: float = 0.0
     methods: tuple[str, ...] = ()  # only requests with one of these methods (empty: all)
     path_contains: str = ""  # only requests whose path contains this
+    limit: int = 0  # at most this many faults in all, then requests pass (0: no limit)
 
     def __post_init__(self) -> None:
         rates = [getattr(self, k) for k in FAULT_KINDS]
@@ -184,6 +185,7 @@ class FaultProxy:
         self._stats = ProxyStats()
         self._events: collections.deque[FaultEvent] = collections.deque(maxlen=100_000)
         self._seen: collections.Counter[str] = collections.Counter()
+        self._decided_faults = 0  # for Faults.limit
         self.stopping = threading.Event()
         self._conns: set[Connection] = set()
         self._listener = self._listen(port)
@@ -270,8 +272,14 @@ class FaultProxy:
         with self._lock:
             nth = self._seen[key]
             self._seen[key] += 1
-        rng = random.Random(f"{self.seed}|{key}|{nth}")
-        return Decision(faults.pick(rng.random()), rng.random())
+            rng = random.Random(f"{self.seed}|{key}|{nth}")
+            fault = faults.pick(rng.random())
+            if fault is not None and faults.limit:
+                if self._decided_faults >= faults.limit:
+                    fault = None
+                else:
+                    self._decided_faults += 1
+        return Decision(fault, rng.random())
 
     def record(self, method: str, target: str, fault: str, offset: int | None = None) -> None:
         with self._lock:
