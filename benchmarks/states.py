@@ -88,7 +88,7 @@ def digests(state: dict[str, Any]) -> dict[str, str]:
     out = {}
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
-            data = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             out[k] = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
         else:
             out[k] = repr(v)

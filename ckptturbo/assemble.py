@@ -3,9 +3,17 @@
 Chunks arrive in whatever order storage or peers deliver them; an item may need bytes
 of many chunks and a chunk may feed many items. Each item becomes a :class:`Job` that
 knows its byte span of the stored shard and where those bytes land: straight in the
-destination tensor when that is a contiguous CPU tensor receiving the whole shard (no
-buffer, no copy; a chunk that is exactly one slice of it is even read in place), else a
-staging buffer copied out, with the shard's strides, once the item is complete.
+destination tensor when that is a contiguous tensor receiving the whole shard (no
+buffer; on the CPU a chunk that is exactly one slice of it is even read in place), else a
+staging buffer on the destination's device, copied out with the shard's strides once the
+item is complete.
+
+Chunks arrive as uint8 tensors: host buffers read from storage or forwarded over gloo, or
+CUDA buffers forwarded over NCCL. Host bytes bound for a CUDA tensor go through the pinned
+ring of :class:`~ckptturbo.staging.DeviceCopier` and are copied asynchronously on a side
+stream, so the copy of one chunk overlaps the GETs of the next; the caller's stream waits
+for them before an item is handed to the planner. The same code runs on the CPU, where
+every copy is a plain one.
 
 Dtypes follow DCP's ``FileSystemReader``: bytes are read as the stored dtype and
 ``copy_``-ed into the destination, so a bf16 target of an fp32 checkpoint is cast. Objects
@@ -17,10 +25,9 @@ import contextlib
 import dataclasses
 import io
 import threading
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -28,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from .errors import CkptTurboError, FormatError, MismatchError
 from .layout import ShardRecord
 from .plan import box_span, overlapping, row_major_strides
+from .staging import DeviceCopier
 
 
 @dataclass(eq=False)
@@ -39,7 +47,7 @@ class Job:
     start: int
     end: int
     target: torch.Tensor | None
-    dest: Any
+    dest: torch.Tensor  # uint8, the span's bytes: the target's own memory, or staging
     dtype: torch.dtype | None = None  # the stored dtype, which dest's bytes hold
     direct: bool = False  # dest is the target's own memory
     missing: int = 0
@@ -49,18 +57,19 @@ class Job:
     def pieces(self) -> list:
         return overlapping(self.shard.pieces, self.start, self.end)
 
-    def fill(self, cid: str, data: memoryview) -> None:
+    def fill(self, cid: str, data: torch.Tensor, copier: DeviceCopier) -> None:
+        """Copy this job's bytes of chunk ``cid`` (a uint8 tensor on any device) into dest."""
         for p in self.pieces():
             if p.chunk != cid:
                 continue
             lo, hi = max(p.start, self.start), min(p.start + p.length, self.end)
-            src = data[p.offset + lo - p.start: p.offset + hi - p.start]
-            if cid in self.in_place:
-                pass  # the chunk was read into the destination itself
-            elif self.direct:
-                self.dest[lo - self.start: hi - self.start].copy_(frombuffer(src))
-            else:
-                memoryview(self.dest)[lo - self.start: hi - self.start] = src
+            if cid not in self.in_place:  # else the chunk was read into the destination itself
+                src = data[p.offset + lo - p.start: p.offset + hi - p.start]
+                dst = self.dest[lo - self.start: hi - self.start]
+                if dst.is_cuda and not src.is_cuda:
+                    copier.to_device(memoryview(src.numpy()), dst, 0)
+                else:
+                    dst.copy_(src)
             self.missing -= 1
 
 
@@ -79,17 +88,18 @@ def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | Non
     start, end = item_span(shard, item)
     fqn = item.dest_index.fqn
     if item.type == LoadItemType.BYTE_IO:
-        return Job(item, shard, start, end, None, bytearray(end - start))
+        return Job(item, shard, start, end, None, torch.empty(end - start, dtype=torch.uint8))
     target = planner.resolve_tensor(item)
     stored = stored_dtype or target.dtype
     if tuple(target.shape) != tuple(item.lengths):
         raise MismatchError(f"{fqn!r}: destination box {tuple(target.shape)} does not match "
                             f"the stored box {tuple(item.lengths)}")
     full = (start, end) == (0, shard.nbytes) and tuple(item.lengths) == tuple(shard.sizes)
-    if full and target.dtype == stored and target.is_contiguous() and target.device.type == "cpu":
-        dest = target.reshape(-1).view(torch.uint8) if target.numel() else None
+    if full and target.dtype == stored and target.is_contiguous():
+        dest = target.reshape(-1).view(torch.uint8)
         return Job(item, shard, start, end, target, dest, stored, direct=True)
-    return Job(item, shard, start, end, target, bytearray(end - start), stored)
+    dest = torch.empty(end - start, dtype=torch.uint8, device=target.device)
+    return Job(item, shard, start, end, target, dest, stored)
 
 
 def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, memoryview]:
@@ -101,7 +111,7 @@ def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, 
             users[p.chunk] += 1
     targets: dict[str, memoryview] = {}
     for job in jobs:
-        if not job.direct or job.dest is None:
+        if not job.direct or job.dest.device.type != "cpu" or not job.dest.numel():
             continue
         for p in job.shard.pieces:
             if users[p.chunk] == 1 and p.offset == 0 and p.length == chunk_sizes[p.chunk]:
@@ -110,10 +120,12 @@ def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, 
     return targets
 
 
-def consume(jobs: list[Job], chunks: Iterable[tuple[str, memoryview]],
-            finish: Callable[[Job], None], release: Callable[[str], None]) -> None:
+def consume(jobs: list[Job], chunks: Iterable[tuple[str, torch.Tensor]],
+            finish: Callable[[Job], None], release: Callable[[str], None],
+            copier: DeviceCopier) -> None:
     """Copy each verified chunk's bytes into every job that needs them; ``finish`` a job
-    once all its bytes are in; ``release`` each chunk as soon as it has been consumed."""
+    once all its bytes are in; ``release`` each chunk as soon as it has been consumed
+    (host bytes bound for a device are in the copier's pinned ring by then)."""
     waiting: dict[str, list[Job]] = defaultdict(list)
     for job in jobs:
         for p in job.pieces():
@@ -124,7 +136,7 @@ def consume(jobs: list[Job], chunks: Iterable[tuple[str, memoryview]],
             finish(job)
     for cid, data in chunks:
         for job in waiting.pop(cid, ()):
-            job.fill(cid, data)
+            job.fill(cid, data, copier)
             if job.missing == 0:
                 finish(job)
         release(cid)
@@ -133,19 +145,21 @@ def consume(jobs: list[Job], chunks: Iterable[tuple[str, memoryview]],
         raise CkptTurboError(f"load incomplete: no bytes arrived for {unfinished[:5]}")
 
 
-def finish_job(job: Job, planner: LoadPlanner, allow_pickle: bool, url: str) -> None:
+def finish_job(job: Job, planner: LoadPlanner, allow_pickle: bool, url: str,
+               copier: DeviceCopier) -> None:
     """Hand a complete item to DCP's planner (objects only in a form proven safe to unpickle)."""
     job.done = True
     item = job.item
     if item.type == LoadItemType.BYTE_IO:
-        data = bytes(job.dest)
+        data = job.dest.numpy().tobytes()
         payload = io.BytesIO(data) if allow_pickle else safe_object(data, item.dest_index.fqn, url)
         planner.load_bytes(item, payload)
         return
     target = job.target
     assert target is not None
+    copier.finish(target.device)  # the caller's stream waits for the copies into dest
     if not job.direct and target.numel():
-        flat = frombuffer(job.dest).view(job.dtype or target.dtype)
+        flat = job.dest.view(job.dtype or target.dtype)
         src = torch.as_strided(flat, tuple(item.lengths), row_major_strides(job.shard.sizes), 0)
         target.copy_(src)
     planner.commit_tensor(item, target)
@@ -180,10 +194,3 @@ def safe_object(data: bytes, fqn: str, url: str) -> io.BytesIO:
     torch.save(obj, out)
     out.seek(0)
     return out
-
-
-def frombuffer(buf: Any) -> torch.Tensor:
-    """A uint8 tensor over a buffer without copying."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
-        return torch.frombuffer(buf, dtype=torch.uint8)

@@ -26,12 +26,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
 from .errors import CheckpointNotFound, IntegrityError, MismatchError, ShortReadError
-from .groups import TRANSPORTS, host_transport_group
+from .groups import TRANSPORTS, Transport, load_transport
 from .integrity import damaged_chunk, verify_chunk
 from .layout import READS_OF_A_DAMAGED_OBJECT, Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, ReadOnce
+from .staging import DeviceCopier, as_uint8
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,13 @@ class TurboReader(StorageReader):
         piece_size: forwarding unit of the chain broadcast.
         timeout: seconds before a silent peer makes every rank fail.
         process_group: the group DCP loads with (default: the world).
-        transport: how forwarded chunks travel, as host buffers on a gloo group. "auto":
-            on ``process_group`` itself when it carries CPU tensors (gloo, or
-            "cpu:gloo,cuda:nccl"), else (NCCL) on a gloo group over its ranks, created
-            once; "gloo": always on such a dedicated group, apart from the job's traffic.
+        transport: how forwarded chunks travel. "auto": as CUDA tensors over
+            ``process_group`` when it speaks NCCL and most of the load's bytes go to CUDA
+            tensors (the rank that read a chunk copies it to its GPU once); else as host
+            buffers, on ``process_group`` itself when it carries them (gloo, or
+            "cpu:gloo,cuda:nccl"), or on a gloo group over its ranks, created once.
+            "gloo": always host buffers on such a dedicated group, apart from the job's
+            traffic. ``self.transport_used`` says what the last load chose.
         allow_pickle: the one switch for trusted checkpoints. DCP's planner unpickles
             non-tensor objects with ``torch.load(weights_only=False)``, which can run any
             code. By default (False) the reader first loads each object with torch's
@@ -99,7 +103,7 @@ class TurboReader(StorageReader):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
-        self.transport_group: Any = None
+        self.transport_used: Transport | None = None
         self.broadcast = broadcast
         self.read_ahead_bytes = read_ahead_bytes
         self.piece_size = piece_size
@@ -118,7 +122,7 @@ class TurboReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_location=None, _lock=None, process_group=None, transport_group=None)
+        state.update(_location=None, _lock=None, process_group=None, transport_used=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -243,8 +247,8 @@ class TurboReader(StorageReader):
             with self._lock:
                 self.chunks_verified += 1
 
-    def _finisher(self, planner: LoadPlanner) -> Any:
-        return lambda job: finish_job(job, planner, self.allow_pickle, self.url)
+    def _finisher(self, planner: LoadPlanner, copier: DeviceCopier) -> Any:
+        return lambda job: finish_job(job, planner, self.allow_pickle, self.url, copier)
 
     def _load_direct(self, jobs: list[Job], planner: LoadPlanner) -> None:
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
@@ -257,12 +261,15 @@ class TurboReader(StorageReader):
                                 location.chunk_store.submit, MemoryBudget(self.read_ahead_bytes),
                                 streams=location.chunk_store.max_workers, lookahead=1)
         by_id = dict(zip(cids, reads))
+        copier = DeviceCopier()
         prefetcher.start()
         try:
-            arrived = ((cid, memoryview(prefetcher.wait(r))) for cid, r in by_id.items())
-            consume(jobs, arrived, self._finisher(planner), lambda cid: prefetcher.release(by_id[cid]))
+            arrived = ((cid, as_uint8(prefetcher.wait(r))) for cid, r in by_id.items())
+            consume(jobs, arrived, self._finisher(planner, copier),
+                    lambda cid: prefetcher.release(by_id[cid]), copier)
         finally:
             prefetcher.close()
+            copier.close()
 
     def _load_chained(self, jobs: list[Job], chains: ReadChains, planner: LoadPlanner) -> None:
         """Chunks arrive from storage (this rank heads their chain) or from a peer, through
@@ -271,22 +278,28 @@ class TurboReader(StorageReader):
         wanted = set(chunks_touched((j.shard.pieces, j.start, j.end) for j in jobs))
         store = self.location.chunk_store
 
-        def deliver(cid: str, data: memoryview) -> None:
+        def deliver(cid: str, data: torch.Tensor) -> None:
             if cid in wanted:
                 arrivals.put(cid, data)
 
-        self.transport_group = host_transport_group(self.process_group, self.transport)
-        engine = ReadOnce([chains.assignments], group=self.transport_group, fetch=self._fetch_verified,
+        cuda_bytes = sum(j.end - j.start for j in jobs if j.target is not None and j.target.is_cuda)
+        transport = load_transport(self.process_group, self.transport, cuda_bytes,
+                                   sum(j.end - j.start for j in jobs))
+        self.transport_used = transport
+        copier = DeviceCopier()
+        engine = ReadOnce([chains.assignments], group=transport.group, fetch=self._fetch_verified,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
                           check=self._check if self.verify_mode != "off" else None,
                           check_all=self.verify_mode == "all",
-                          settings=ChainSettings(self.piece_size, timeout=self.timeout))
+                          settings=ChainSettings(self.piece_size, timeout=self.timeout,
+                                                 device=transport.device))
         engine.start()
-        try:
-            consume(jobs, arrivals, self._finisher(planner), lambda cid: None)  # dropped once used
+        try:  # a chunk is dropped once used
+            consume(jobs, arrivals, self._finisher(planner, copier), lambda cid: None, copier)
         finally:
             engine.close(timeout=self.timeout)
+            copier.close()
 
 
 def verify_mode(verify: bool | str) -> str:

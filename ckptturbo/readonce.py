@@ -14,8 +14,13 @@ per rank, runs the broadcaster batch by batch; each head reads its units through
 :class:`~ckptturbo.prefetch.Prefetcher`, in the order the broadcaster will send them
 (:func:`~ckptturbo.broadcast.source_order`), ``streams`` at a time within ``budget``.
 
-Buffers follow the broadcaster's ownership contract: ``deliver(key, view)`` owns ``view``
-from then on (no copy is made); on a head it is the buffer ``fetch`` returned. A head's
+Units travel in buffers on ``settings.device``: host memory (gloo), or CUDA memory over
+NCCL, in which case a head copies what it read to the device through the pinned ring of
+:class:`~ckptturbo.staging.DeviceCopier` (asynchronously, on a side stream, while the
+prefetcher's GETs go on) and every rank delivers device tensors. Buffers follow the
+broadcaster's ownership contract: ``deliver(key, buffer)`` owns the uint8 tensor
+``buffer`` from then on (no copy is made); on a host-buffer head it is the buffer
+``fetch`` returned. A head's
 read-ahead reservation ends when the broadcaster takes the bytes: from then on they are
 one of its ``max_inflight`` buffers. (Holding the reservation until the consumer is done
 could deadlock: the broadcaster waits for the next source's bytes before it finishes the
@@ -40,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,12 +56,13 @@ from .broadcast import ChainBroadcaster, Transfer, source_order
 from .errors import CkptTurboError
 from .plan import ChainAssignment
 from .prefetch import MemoryBudget, Prefetcher, Read
+from .staging import DeviceCopier, as_uint8
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 Fetch = Callable[[str], Buffer]
-Deliver = Callable[[str, memoryview], None]
+Deliver = Callable[[str, torch.Tensor], None]
 Check = Callable[[str, memoryview], None]
 
 
@@ -68,6 +73,7 @@ class ChainSettings:
     piece_size: int = 8 << 20
     max_inflight: int = 4
     timeout: float = 300.0
+    device: torch.device = torch.device("cpu")  # where chain buffers live: "cpu" or a CUDA device
 
 
 class ReadOnce:
@@ -82,7 +88,8 @@ class ReadOnce:
         submit: runs fetches (the store's pool), ``streams`` at a time.
         budget: bounds the bytes this rank has read ahead for its chains.
         check: verifies a unit received from a peer (None: trust the head's check); run
-            on all-zero units, or on every unit with ``check_all``.
+            on all-zero units, or on every unit with ``check_all`` (a CUDA unit is copied
+            to the host for it).
         reserve: called before each batch; False stops the pass.
     """
 
@@ -96,8 +103,11 @@ class ReadOnce:
         self._deliver, self._done, self._check, self._reserve = deliver, done, check, reserve
         self._check_all = check_all
         self._fetch = fetch
+        self.device = settings.device
         self.broadcaster = ChainBroadcaster(group, piece_size=settings.piece_size,
-                                            max_inflight=settings.max_inflight, timeout=settings.timeout)
+                                            max_inflight=settings.max_inflight, timeout=settings.timeout,
+                                            device=settings.device)
+        self._copier = DeviceCopier()
         self._batches: list[list[Transfer]] = []
         self._keys: list[str] = []
         heads: list[Read] = []
@@ -138,6 +148,8 @@ class ReadOnce:
         return self._fetch(read.path)
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
         self.prefetcher.start()
         try:
             for b, (batch, transfers) in enumerate(zip(self._assignments, self._batches)):
@@ -150,33 +162,41 @@ class ReadOnce:
             self.failures.insert(0, exc)
         finally:
             self.prefetcher.close()
+            self._copier.close()
             self._done(self.failures[0] if self.failures else None)
 
     def _source(self, t: Transfer) -> Iterator[torch.Tensor]:
         read = self._heads[t.tid]
         try:
-            data = read.result()
+            wire = self._to_wire(read.result())
         except CkptTurboError as exc:
             self.failures.append(exc)
             self._failed.add(t.tid)
-            yield torch.zeros(t.nbytes, dtype=torch.uint8)
-            return
+            wire = torch.zeros(t.nbytes, dtype=torch.uint8, device=self.device)
         finally:
             self.prefetcher.release(read)  # the broadcaster holds the bytes now
-        yield as_uint8(data)
+        yield wire
+
+    def _to_wire(self, data: Buffer) -> torch.Tensor:
+        """A head's verified bytes as a buffer on the chain's device."""
+        if self.device.type == "cpu":
+            return as_uint8(data)
+        buffer = torch.empty(len(data), dtype=torch.uint8, device=self.device)
+        self._copier.to_device(memoryview(data).cast("B"), buffer, 0)
+        self._copier.finish(self.device)  # sends are queued on the current stream
+        return buffer
 
     def _sink(self, t: Transfer, buffer: torch.Tensor) -> None:
         if t.tid in self._failed:
             return
         key = self._keys[t.tid]
-        data = memoryview(buffer.cpu().numpy()).cast("B")
         if self._must_check(t, buffer):
             try:
-                self._check(key, data)
+                self._check(key, memoryview(buffer.cpu().numpy()).cast("B"))
             except CkptTurboError as exc:
                 self.failures.append(exc)
                 return
-        self._deliver(key, data)
+        self._deliver(key, buffer)
 
     def _must_check(self, t: Transfer, buffer: torch.Tensor) -> bool:
         if t.chain[0] == self.rank or self._check is None:
@@ -189,12 +209,12 @@ class Arrivals:
     order; iteration ends when the pass is done and then raises its first failure."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[str, memoryview]] = []
+        self._items: list[tuple[str, torch.Tensor]] = []
         self._cv = threading.Condition()
         self._finished = False
         self._error: BaseException | None = None
 
-    def put(self, key: str, data: memoryview) -> None:
+    def put(self, key: str, data: torch.Tensor) -> None:
         with self._cv:
             self._items.append((key, data))
             self._cv.notify_all()
@@ -204,7 +224,7 @@ class Arrivals:
             self._finished, self._error = True, error
             self._cv.notify_all()
 
-    def __iter__(self) -> Iterator[tuple[str, memoryview]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while True:
             with self._cv:
                 while not self._items and not self._finished:
@@ -216,12 +236,3 @@ class Arrivals:
                 break
         if self._error is not None:
             raise self._error
-
-
-def as_uint8(data: Buffer) -> torch.Tensor:
-    """A uint8 tensor over bytes without copying (the broadcaster only reads a source's)."""
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are never written
-        return torch.frombuffer(data, dtype=torch.uint8)

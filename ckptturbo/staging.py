@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,6 +221,15 @@ class DeviceCopier:
         for stream in self._streams.values():
             stream.synchronize()
         self._ring, self._events = [], []
+
+
+def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over host bytes without copying (read-only bytes are never written)."""
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only buffers
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from .. import errors
@@ -155,8 +156,8 @@ class ReadOnceFeed:
             return data
         return self.source.fetch(self.reads[index])
 
-    def _deliver(self, key: str, data: memoryview) -> None:
-        self.reads[int(key)].fill(data)
+    def _deliver(self, key: str, data: torch.Tensor) -> None:
+        self.reads[int(key)].fill(memoryview(data.numpy()))  # host buffers: see stream_group
 
     def _done(self, error: BaseException | None) -> None:
         if error is None:
