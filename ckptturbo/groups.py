@@ -14,12 +14,15 @@ one is a collective among its ranks.
 """
 from __future__ import annotations
 
+import datetime
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .retry import seconds_setting
 
 TRANSPORTS = ("auto", "gloo")
 _HOST_BACKENDS = {"gloo", "mpi"}
@@ -52,7 +55,9 @@ def dedicated_gloo_group(group: Any = None, purpose: str = "save") -> Any:
     """A gloo group over the ranks of ``group`` (default: the world), one per purpose.
 
     Every rank of ``group`` must call it the first time, in the same order as its other
-    group creations; only those ranks take part. None outside torch.distributed.
+    group creations; only those ranks take part. None outside torch.distributed. Its
+    collectives wait for a silent peer as long as the environment's
+    CKPTTURBO_COLLECTIVE_TIMEOUT says (seconds), else torch's default for new groups.
     """
     if not dist.is_initialized():
         return None
@@ -60,7 +65,9 @@ def dedicated_gloo_group(group: Any = None, purpose: str = "save") -> Any:
     with _lock:
         if key not in _dedicated:
             ranks = dist.get_process_group_ranks(key[0])
-            _dedicated[key] = dist.new_group(ranks=ranks, backend="gloo",
+            seconds = seconds_setting("COLLECTIVE_TIMEOUT", None, None, ValueError)
+            timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+            _dedicated[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                                              use_local_synchronization=True)
         return _dedicated[key]
 

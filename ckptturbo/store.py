@@ -6,25 +6,16 @@ so ``file://``, ``s3://``, ``gs://`` and ``memory://`` share one code path. What
 per protocol is kept here: local files get fsync + atomic rename, object stores get
 single PUTs (atomic by nature, multipart above ``multipart_threshold``) and no fsync.
 
-Transient failures (5xx, throttling, connection resets, timeouts) are retried with
-exponential backoff and full jitter; permanent ones are mapped to ckptturbo's errors at
-once, so a wrong URL or bad credentials fail fast instead of after minutes of retries.
-
-Nothing waits without a bound. On object stores every attempt of a request has a
-wall-clock limit (``request_timeout``, which also covers an upload whose peer stopped
-reading, where socket read timeouts never fire), and every call gives up retrying after
-``deadline`` seconds. When a call exhausts its retries without the store answering any
-request meanwhile, the store is taken to be down: for ``outage_cooldown`` seconds the
-other calls on it fail at once instead of each waiting out its own deadline, so a save
-or load against a dead or partitioned store fails within one deadline, not once per chunk.
+Every request goes through :class:`~ckptturbo.retry.RetryPolicy` (bounded retries of
+transient failures, a deadline per call, and an outage state so that a dead store fails a
+save or load within one deadline). On object stores every attempt of a request also has a
+wall-clock limit (``request_timeout``), which covers an upload whose peer stopped reading,
+where socket read timeouts never fire.
 """
 from __future__ import annotations
 
-import logging
 import os
-import random
 import threading
-import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,32 +25,18 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFound, ShortReadError, StorageAuthError, StorageError
+from .errors import CheckpointNotFound, ShortReadError, StorageError
+from .retry import RetryPolicy
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
 # redundant CPU work on both sides; it is computed only where S3 requires it. Retries are
-# ours (Store._call, bounded by a deadline), so botocore makes one attempt per call.
+# ours (RetryPolicy.call, bounded by a deadline), so botocore makes one attempt per call.
 DEFAULT_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30,
                      "retries": {"total_max_attempts": 1},
                      "request_checksum_calculation": "when_required",
                      "response_checksum_validation": "when_required"}
-# Bounds on waiting for an object store, in seconds; the environment may override them
-# (CKPTTURBO_REQUEST_TIMEOUT, CKPTTURBO_DEADLINE, CKPTTURBO_OUTAGE_COOLDOWN) for every
-# store a job opens, including those DCP's planners and background threads create.
-DEFAULT_REQUEST_TIMEOUT = 60.0
-DEFAULT_DEADLINE = 120.0
-DEFAULT_OUTAGE_COOLDOWN = 30.0
-_TRANSIENT_MARKERS = (
-    "slowdown", "slow down", "throttl", "503", "500", "502", "504", "internalerror",
-    "serviceunavailable", "requesttimeout", "timed out", "timeout", "connection reset",
-    "connection aborted", "broken pipe", "server disconnected", "temporarily",
-)
-_AUTH_MARKERS = ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
-                 "signaturedoesnotmatch", "nocredentials", "unable to locate credentials",
-                 "expiredtoken", "invalidtoken")
 
 
 def default_io_workers() -> int:
@@ -72,52 +49,6 @@ class ObjectInfo:
     path: str
     size: int
     mtime: float | None
-
-
-def _bound(name: str, given: float | None, default: float) -> float:
-    if given is not None:
-        return float(given)
-    raw = os.environ.get(f"CKPTTURBO_{name}")
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise StorageError(f"CKPTTURBO_{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise StorageError(f"CKPTTURBO_{name} must be positive, got {raw!r}")
-    return value
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """Worth retrying: timeouts, dropped connections, throttling and 5xx answers. s3fs
-    re-raises S3's answer as a bare ``OSError`` ("We encountered an internal error"), so the
-    exceptions it was raised from are looked at too."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return False
-        if _is_transient_one(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _is_transient_one(exc: BaseException) -> bool:
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    name = type(exc).__name__.lower()
-    if "timeout" in name or "connectionclosed" in name or "disconnected" in name:
-        return True
-    text = f"{name} {exc}".lower()
-    return any(m in text for m in _TRANSIENT_MARKERS)
-
-
-def _is_auth(exc: BaseException) -> bool:
-    if isinstance(exc, PermissionError):
-        return True
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(m in text for m in _AUTH_MARKERS)
 
 
 class Store:
@@ -139,13 +70,8 @@ class Store:
     ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
-        self.retries = retries
-        self.backoff = backoff
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
-        self.request_timeout = _bound("REQUEST_TIMEOUT", request_timeout, DEFAULT_REQUEST_TIMEOUT)
-        self.deadline = _bound("DEADLINE", deadline, DEFAULT_DEADLINE)
-        self.outage_cooldown = _bound("OUTAGE_COOLDOWN", outage_cooldown, DEFAULT_OUTAGE_COOLDOWN)
         self.max_workers = max_workers or default_io_workers()
         options = dict(self.storage_options)
         protocol = fsspec.utils.get_protocol(self.url)
@@ -166,16 +92,18 @@ class Store:
         self.root = self.root.rstrip("/") or "/"
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._last_success = time.monotonic()  # when a request last succeeded
-        self._down_until = 0.0
+        self.policy = RetryPolicy(self.url, self.url_of, retries=retries, backoff=backoff,
+                                  request_timeout=request_timeout, deadline=deadline,
+                                  outage_cooldown=outage_cooldown)
 
     # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and pools stay behind
     def __getstate__(self) -> dict[str, Any]:
+        policy = self.policy
         return {"url": self.url, "storage_options": self.storage_options,
-                "max_workers": self.max_workers, "retries": self.retries, "backoff": self.backoff,
+                "max_workers": self.max_workers, "retries": policy.retries, "backoff": policy.backoff,
                 "multipart_threshold": self.multipart_threshold, "part_size": self.part_size,
-                "request_timeout": self.request_timeout, "deadline": self.deadline,
-                "outage_cooldown": self.outage_cooldown}
+                "request_timeout": policy.request_timeout, "deadline": policy.deadline,
+                "outage_cooldown": policy.outage_cooldown}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         url, options = state.pop("url"), state.pop("storage_options")
@@ -231,61 +159,11 @@ class Store:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def _call(self, what: str, path: str, fn: Callable[[], T]) -> T:
-        """Run one storage request with retries, within ``deadline`` seconds in all."""
-        started = time.monotonic()
-        delay = self.backoff
-        for attempt in range(self.retries + 1):
-            self._refuse_while_down(what, path)
-            try:
-                result = fn()
-            except FileNotFoundError as exc:
-                self._last_success = time.monotonic()
-                raise CheckpointNotFound(f"{what}: {self.url_of(path)} does not exist ({exc})") from exc
-            except (StorageError, CheckpointNotFound):
-                raise
-            except Exception as exc:  # noqa: BLE001 - classified and re-raised as ours
-                if _is_auth(exc):
-                    raise StorageAuthError(
-                        f"{what}: access to {self.url_of(path)} was refused ({exc}); "
-                        "check the credentials in storage_options or the environment") from exc
-                sleep = random.uniform(0, delay)
-                elapsed = time.monotonic() - started
-                if not _is_transient(exc):
-                    raise self._failure(what, path, exc, "") from exc
-                if attempt == self.retries or elapsed + sleep > self.deadline:
-                    if self._last_success < started:  # nothing succeeded while we tried
-                        self._down_until = time.monotonic() + self.outage_cooldown
-                    raise self._failure(what, path, exc, f" after {attempt + 1} attempts "
-                                                         f"in {elapsed:.1f}s") from exc
-                log.warning("%s %s: transient %s (%s); retry %d/%d in %.2fs", what, path,
-                            type(exc).__name__, exc, attempt + 1, self.retries, sleep)
-                time.sleep(sleep)
-                delay = min(delay * 2, 10.0)
-            else:
-                self._last_success = time.monotonic()
-                return result
-        raise AssertionError("unreachable")
-
-    def _failure(self, what: str, path: str, exc: BaseException, tries: str) -> StorageError:
-        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, TimeoutError):
-            cause += f" (no answer within request_timeout={self.request_timeout:g}s)"
-        return StorageError(f"{what} {self.url_of(path)} failed{tries}: {cause}")
-
-    def _refuse_while_down(self, what: str, path: str) -> None:
-        """Fail at once while a recent call found the store unreachable (see module doc)."""
-        if time.monotonic() < self._down_until:
-            raise StorageError(
-                f"{what} {self.url_of(path)} not attempted: {self.url} did not answer any "
-                f"request for {self.deadline:g}s (deadline) and is treated as down; "
-                f"retrying after {self.outage_cooldown:g}s")
-
     def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call an fsspec method; on async filesystems (s3, gcs) bounded by request_timeout,
         which cancels the request itself rather than abandoning a thread to it."""
         if isinstance(self.fs, AsyncFileSystem):
-            kwargs["timeout"] = self.request_timeout
+            kwargs["timeout"] = self.policy.request_timeout
         return getattr(self.fs, method)(*args, **kwargs)
 
     # --- writes
@@ -296,7 +174,7 @@ class Store:
         crash is harmless (an fsync can wait behind a whole save's dirty pages).
         """
         if self.is_local:
-            self._call("write", path, lambda: self._put_local(path, data, durable))
+            self.policy.call("write", path, lambda: self._put_local(path, data, durable))
             return
 
         def put_remote() -> None:
@@ -305,7 +183,7 @@ class Store:
             else:
                 self._request("pipe_file", path, bytes(data) if isinstance(data, memoryview) else data)
 
-        self._call("write", path, put_remote)
+        self.policy.call("write", path, put_remote)
 
     def _put_local(self, path: str, data: bytes | bytearray | memoryview, durable: bool) -> None:
         directory = os.path.dirname(path)
@@ -334,8 +212,8 @@ class Store:
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of an object (all of it by default)."""
         if self.is_local:
-            return self._call("read", path, lambda: self._get_local(path, start, end))
-        return self._call("read", path, lambda: self._request("cat_file", path, start=start, end=end))
+            return self.policy.call("read", path, lambda: self._get_local(path, start, end))
+        return self.policy.call("read", path, lambda: self._request("cat_file", path, start=start, end=end))
 
     def _get_local(self, path: str, start: int | None, end: int | None) -> bytes:
         with open(path, "rb") as f:
@@ -356,7 +234,7 @@ class Store:
                     got += n
 
         if self.is_local:
-            self._call("read", path, read_local)
+            self.policy.call("read", path, read_local)
             return
         data = self.get(path, start, start + len(out))
         if len(data) != len(out):
@@ -365,16 +243,16 @@ class Store:
 
     # --- metadata
     def exists(self, path: str) -> bool:
-        return self._call("stat", path, lambda: self._request("exists", path))
+        return self.policy.call("stat", path, lambda: self._request("exists", path))
 
     def info(self, path: str) -> ObjectInfo:
-        raw = self._call("stat", path, lambda: self._request("info", path))
+        raw = self.policy.call("stat", path, lambda: self._request("info", path))
         return ObjectInfo(path, int(raw.get("size") or 0), _mtime(raw))
 
     def list_files(self, prefix: str) -> list[ObjectInfo]:
         """Every object under prefix (recursive); an absent prefix lists as empty."""
         try:
-            found = self._call("list", prefix, lambda: self._request("find", prefix, detail=True))
+            found = self.policy.call("list", prefix, lambda: self._request("find", prefix, detail=True))
         except CheckpointNotFound:
             self.check_reachable()  # an absent prefix is empty; an absent bucket is an error
             return []
@@ -384,7 +262,7 @@ class Store:
     def list_dirs(self, prefix: str) -> list[str]:
         """Immediate children of prefix that are directories (or common prefixes)."""
         try:
-            entries = self._call("list", prefix, lambda: self._request("ls", prefix, detail=True, refresh=True))
+            entries = self.policy.call("list", prefix, lambda: self._request("ls", prefix, detail=True, refresh=True))
         except CheckpointNotFound:
             self.check_reachable()
             return []
@@ -393,7 +271,7 @@ class Store:
     def delete(self, paths: Iterable[str]) -> None:
         paths = list(paths)
         if paths:
-            self.map(lambda p: self._call("delete", p, lambda: self._request("rm_file", p)), paths)
+            self.map(lambda p: self.policy.call("delete", p, lambda: self._request("rm_file", p)), paths)
 
     def check_reachable(self) -> None:
         """Fail fast with a clear error when the location (bucket, directory) is unusable."""
@@ -401,7 +279,7 @@ class Store:
             return
         bucket = self.root.split("/", 1)[0]
         try:
-            self._call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
+            self.policy.call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
         except CheckpointNotFound as exc:
             raise CheckpointNotFound(f"bucket {self.protocol}://{bucket} does not exist "
                                      f"(opening {self.url})") from exc

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -126,16 +127,21 @@ def _check_visible_state(run: str, options: dict | None) -> list[str]:
     return sorted(names)
 
 
+def _runs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Callable[[str], str], dict | None]:
+    """Where a test's runs go: a function naming a fresh run on ``store``, and its options."""
+    if store == "local":
+        return (lambda name: str(tmp_path / name)), None
+    server = request.getfixturevalue("s3_server")
+    return server.url, server.storage_options
+
+
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request):
     rng = random.Random(20261122)
-    options = None
-    if store == "s3":
-        server = request.getfixturevalue("s3_server")
-        options = server.storage_options
+    run_url, options = _runs(store, tmp_path, request)
     seen_committed = 0
     for trial in range(TRIALS[store]):
-        run = str(tmp_path / f"run-{trial}") if store == "local" else server.url(f"crash-{trial}")
+        run = run_url(f"crash-{trial}")
         victim = "job" if trial % 2 == 0 else "rank"
         out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim)
         names = _check_visible_state(run, options)
@@ -207,13 +213,10 @@ def _kill_gc(run: str, options: dict | None, rng: random.Random) -> bool:
 def test_killed_gc_leaves_committed_checkpoints_intact(store, tmp_path, request, monkeypatch):
     monkeypatch.setenv(LEASE_ENV, str(LEASE))
     rng = random.Random(20261123)
-    options = None
-    if store == "s3":
-        server = request.getfixturevalue("s3_server")
-        options = server.storage_options
+    run_url, options = _runs(store, tmp_path, request)
     killed_running = 0
     for trial in range(GC_TRIALS[store]):
-        run = str(tmp_path / f"run-{trial}") if store == "local" else server.url(f"gc-crash-{trial}")
+        run = run_url(f"gc-crash-{trial}")
         _store_with_orphans(run, options)
         assert _stored_chunks(run, options) - _referenced(run, options)  # orphans exist
         killed_running += _kill_gc(run, options, rng)
@@ -229,11 +232,8 @@ def test_killed_gc_leaves_committed_checkpoints_intact(store, tmp_path, request,
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, monkeypatch):
     monkeypatch.setenv(LEASE_ENV, "0.6")  # shorter than the save: only the heartbeat holds it
-    options = None
-    if store == "s3":
-        server = request.getfixturevalue("s3_server")
-        options = server.storage_options
-    run = str(tmp_path / "run") if store == "local" else server.url("gc-beside-save")
+    run_url, options = _runs(store, tmp_path, request)
+    run = run_url("gc-beside-save")
     trials = 5 if SOAK else 1
     for trial in range(trials):
         _store_with_orphans(run, options, steps=3, keep=1)  # steps 1-2 orphaned

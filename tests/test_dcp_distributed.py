@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptturbo as ct
+from ckptturbo.catalog import list_checkpoints
 from ckptturbo.layout import Location
 from ckptturbo.testing.launcher import run_distributed
 
@@ -257,3 +258,77 @@ def test_grouped_load_from_s3_reads_each_chunk_once(s3_server):
     unique = Location(url, opts).read_manifest().unique_bytes
     fetched = run_distributed(load_rank_s3, 3, url, opts, timeout=240)
     assert sum(fetched) == unique, (fetched, unique)
+
+
+class _DiesWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
+    """A planner whose rank exits in the middle of a save (a real process exit)."""
+
+    def create_local_plan(self):
+        import os
+
+        os._exit(3)
+
+
+def _save_with_crash(rank: int, world: int, url: str) -> tuple[str, float, str]:
+    import time
+
+    sd = build_state(world, zeros=False)
+    planner = _DiesWhilePlanning() if rank == 1 else None
+    started = time.monotonic()
+    handle = ct.save(sd, url, planner=planner)
+    try:
+        handle.wait(timeout=120)
+    except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return type(exc).__name__, time.monotonic() - started, str(exc)
+    return "ok", time.monotonic() - started, ""
+
+
+def test_rank_dying_during_a_save_fails_the_others_and_commits_nothing(tmp_path):
+    run = tmp_path / "run"
+    first = str(run / "step-1")
+    run_distributed(save_rank, 2, first, timeout=240)
+    outcomes = run_distributed(_save_with_crash, 3, str(run / "step-2"), timeout=180,
+                               expect_failures=True)
+    assert getattr(outcomes[1], "exitcode", None) == 3
+    for rank in (0, 2):
+        outcome = outcomes[rank]
+        if isinstance(outcome, tuple):  # the save failed, in time, as a ckptturbo error
+            assert outcome[0] == "CommunicationError" and outcome[1] < 90, outcome
+            assert str(run / "step-2") in outcome[2], outcome
+        else:  # or the rank died of the broken group; either way it did not hang
+            assert outcome.exitcode is not None or "Error" in outcome.traceback, outcome
+    assert [c.name for c in list_checkpoints(str(run))] == ["step-1"]  # step-2 is invisible
+    run_distributed(load_rank, 2, first, timeout=240)  # and step-1 loads as it was
+
+
+class _StallsWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
+    """A planner whose rank stays alive but silent for longer than the collective timeout."""
+
+    def create_local_plan(self):
+        import time
+
+        time.sleep(15)
+        return super().create_local_plan()
+
+
+def _save_with_stall(rank: int, world: int, url: str) -> tuple[str, float]:
+    import os
+    import time
+
+    os.environ["CKPTTURBO_COLLECTIVE_TIMEOUT"] = "3"  # before ct.save creates its group
+    planner = _StallsWhilePlanning() if rank == 1 else None
+    started = time.monotonic()
+    try:
+        ct.save(build_state(world, zeros=False), url, planner=planner).wait(timeout=120)
+    except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return type(exc).__name__, time.monotonic() - started
+    return "ok", time.monotonic() - started
+
+
+def test_stalled_rank_fails_a_save_within_the_collective_timeout(tmp_path):
+    run = tmp_path / "run"
+    outcomes = run_distributed(_save_with_stall, 3, str(run / "step-1"), timeout=120,
+                               expect_failures=True)
+    for rank in (0, 2):  # they waited for rank 1 in DCP's plan gather: 3 s, not 30 min
+        assert outcomes[rank][0] == "CommunicationError" and outcomes[rank][1] < 13, outcomes
+    assert list_checkpoints(str(run)) == []

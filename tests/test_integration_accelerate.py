@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from ckptturbo import catalog  # noqa: E402
+from ckptturbo.testing.launcher import run_command  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "integration_scripts" / "accelerate_ddp.py"
 
@@ -22,15 +21,8 @@ def run_two_ranks(tmp_path: Path, url: str, storage_options: dict | None = None)
            str(SCRIPT), "--url", url, "--out", str(tmp_path / "obs")]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        pytest.fail(f"accelerate run timed out:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"accelerate run failed:\n{output[-4000:]}"
+    code, output = run_command(cmd, cwd=tmp_path, timeout=150)
+    assert code == 0, f"accelerate run {'timed out' if code is None else 'failed'}:\n{output[-4000:]}"
     return [torch.load(tmp_path / f"obs.rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -15,6 +15,8 @@ pytest.importorskip("lightning")
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
 from ckptturbo.integrations.lightning import TurboCheckpointIO  # noqa: E402
+from ckptturbo.testing.launcher import run_command  # noqa: E402
+from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "integration_scripts" / "lightning_ddp.py"
 
@@ -31,28 +33,13 @@ def run_ddp(tmp_path: Path, dirpath: str, out: Path, *, epochs: int, top_k: int,
         cmd += ["--storage-options", json.dumps(s3.storage_options)]
         # ModelCheckpoint's own fsspec filesystem (exists/isdir on dirpath) reads fsspec's env config.
         env.update(FSSPEC_S3_ENDPOINT_URL=s3.endpoint, FSSPEC_S3_KEY=s3.key, FSSPEC_S3_SECRET=s3.secret)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        pytest.fail(f"Lightning DDP run timed out:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"Lightning DDP run failed:\n{output[-4000:]}"
+    code, output = run_command(cmd, cwd=tmp_path, env=env, timeout=240)
+    assert code == 0, f"Lightning DDP run {'timed out' if code is None else 'failed'}:\n{output[-4000:]}"
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
     assert a["global_step"] == b["global_step"]
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optim"]["state"], b["optim"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for i in sa:
-        for k in sa[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
-    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    assert_same_model_and_optimizer(a["model"], b["model"], a["optim"], b["optim"])
     assert a["sched"] == b["sched"]
 
 

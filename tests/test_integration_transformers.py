@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa:
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
 from ckptturbo.integrations.transformers import TurboTrainer  # noqa: E402
+from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -42,13 +43,7 @@ def training_state(trainer: TurboTrainer) -> dict:
 
 def assert_same(a: dict, b: dict) -> None:
     assert a["step"] == b["step"] == 6
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optim"]["state"], b["optim"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for i in sa:
-        for k in sa[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+    assert_same_model_and_optimizer(a["model"], b["model"], a["optim"], b["optim"])
     assert a["sched"] == b["sched"]
 
 

@@ -16,6 +16,8 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -224,6 +226,22 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 900,
     CPU for torch: what a benchmark needs to measure a run's memory from a clean start."""
     return run_distributed(fn, 1, *args, timeout=timeout, backend=None, setup=setup,
                            threads=os.cpu_count() or 1, **kwargs)[0]
+
+
+def run_command(cmd: list[str], *, timeout: float, cwd: str | os.PathLike | None = None,
+                env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run a command (a framework's own launcher, say) in a session of its own, stdout and
+    stderr together: its return code and output. On timeout the whole session (the
+    launcher's workers too) is killed by its process group id and the code is None."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+    return proc.returncode, output
 
 
 def _raise_first_failure(outcomes: list[Any]) -> None:
