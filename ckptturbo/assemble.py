@@ -4,7 +4,7 @@ Chunks arrive in whatever order storage or peers deliver them; an item may need 
 of many chunks and a chunk may feed many items. Each item becomes a :class:`Job` that
 knows its byte span of the stored shard and where those bytes land: straight in the
 destination tensor when that is a contiguous tensor receiving the whole shard (no
-buffer; on the CPU a chunk that is exactly one slice of it is even read in place), else a
+buffer; a chunk that is exactly one slice of it is even read or received in place), else a
 staging buffer on the destination's device, copied out with the shard's strides once the
 item is complete.
 
@@ -102,20 +102,22 @@ def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | Non
     return Job(item, shard, start, end, target, dest, stored)
 
 
-def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int]) -> dict[str, memoryview]:
-    """Chunks that are exactly one slice of one destination tensor: those are read
-    straight into the tensor's memory and verified there, with no buffer or copy."""
+def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int],
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Chunks that are exactly one slice of one destination tensor on ``device``: their
+    bytes land straight in the tensor's memory (read there, or received there from a peer)
+    and are verified there, with no buffer or copy. Returns the uint8 slices by chunk."""
     users: dict[str, int] = defaultdict(int)
     for job in jobs:
         for p in job.pieces():
             users[p.chunk] += 1
-    targets: dict[str, memoryview] = {}
+    targets: dict[str, torch.Tensor] = {}
     for job in jobs:
-        if not job.direct or job.dest.device.type != "cpu" or not job.dest.numel():
+        if not job.direct or job.dest.device != device or not job.dest.numel():
             continue
         for p in job.shard.pieces:
             if users[p.chunk] == 1 and p.offset == 0 and p.length == chunk_sizes[p.chunk]:
-                targets[p.chunk] = memoryview(job.dest[p.start:p.start + p.length].numpy())
+                targets[p.chunk] = job.dest[p.start:p.start + p.length]
                 job.in_place.add(p.chunk)
     return targets
 

@@ -40,10 +40,13 @@ A source that yields the whole transfer as one tensor on ``device`` is sent from
 Buffer ownership (the contract every client follows). A *source* yields tensors the
 broadcaster only reads: they must stay unchanged until the transfer's sink has been
 called, and a source that yields the whole transfer as one tensor on ``device`` gets that
-very tensor back in its sink. A *sink* receives the whole transfer in one buffer and
-owns it from then on: the broadcaster drops every reference before the call returns and
-never reuses the memory, so a sink may keep the buffer (no copy) or let it go. What the
-sink keeps counts against the client's memory bound, not the broadcaster's.
+very tensor back in its sink. A receiving rank assembles a transfer in a buffer of its
+own, or in the one ``buffers(t)`` names (the transfer's final destination, so that no
+copy follows; the broadcaster writes the received bytes into it and sends from it, nothing
+else). A *sink* receives the whole transfer in one buffer and owns it from then on: the
+broadcaster drops every reference before the call returns and never reuses the memory,
+so a sink may keep the buffer (no copy) or let it go. What the sink keeps counts against
+the client's memory bound, not the broadcaster's.
 
 Failures: every wait has a deadline of ``timeout`` seconds from when it starts; a dead or
 stuck peer makes the others raise :class:`~ckptturbo.errors.CommunicationError` naming the
@@ -77,6 +80,8 @@ Source = Callable[["Transfer"], Iterator[torch.Tensor]]
 """Yields a head's bytes of a transfer; the tensors must stay unchanged until its sink runs."""
 Sink = Callable[["Transfer", torch.Tensor], None]
 """Receives a complete transfer; it owns the buffer from then on (see the module docstring)."""
+Buffers = Callable[["Transfer"], "torch.Tensor | None"]
+"""Where a receiving rank assembles a transfer (its destination), or None for a buffer of our own."""
 
 _TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
 
@@ -295,7 +300,8 @@ class ChainBroadcaster:
         self._device = self.device  # self.device made concrete at each run()
         self.stats: dict[str, float] = {}
 
-    def run(self, transfers: Sequence[Transfer], source: Source, sink: Sink) -> None:
+    def run(self, transfers: Sequence[Transfer], source: Source, sink: Sink,
+            buffers: Buffers | None = None) -> None:
         """Deliver every transfer this rank belongs to; call ``sink`` once for each.
 
         Every rank calls run() with the same transfers in the same order. On a chain head
@@ -303,7 +309,9 @@ class ChainBroadcaster:
         ``piece_size`` pieces); every member, head included, gets ``sink(t, buffer)`` with
         the whole transfer in one uint8 tensor of ``nbytes`` on ``device``, once it is
         complete, and owns it from then on (see "Buffer ownership" in the module docstring);
-        on the head it may be the very tensor the source yielded.
+        on the head it may be the very tensor the source yielded. On a receiving rank,
+        ``buffers(t)`` may name the uint8 tensor of ``nbytes`` on ``device`` to receive
+        into (None: one of the broadcaster's own).
         """
         began = time.monotonic()
         self._device = self.device
@@ -317,7 +325,7 @@ class ChainBroadcaster:
         chained = [t for t in transfers if needs_communication(t)]
         if chained:
             self._check_same_plan(transfers)
-            self._run_chains(chained, rank, source, sink)
+            self._run_chains(chained, rank, source, sink, buffers)
         for t in sorted(transfers, key=lambda t: t.tid):
             if not needs_communication(t) and rank in t.chain:
                 self._run_local(t, rank, source, sink)
@@ -354,7 +362,8 @@ class ChainBroadcaster:
             raise PlanError(f"ranks {differ} called run() with different transfers or settings "
                             f"(piece_size, max_inflight) than rank {dist.get_rank(self.group)}")
 
-    def _run_chains(self, transfers: list[Transfer], rank: int, source: Source, sink: Sink) -> None:
+    def _run_chains(self, transfers: list[Transfer], rank: int, source: Source, sink: Sink,
+                    buffers: Buffers | None) -> None:
         """The step loop: post a step's batch, do local work while it flies, wait for it."""
         starts = plan_schedule(transfers, self.piece_size, self.max_inflight)
         roles = [_Role(t, t.chain.index(rank), starts[t.tid], self.piece_size)
@@ -367,7 +376,7 @@ class ChainBroadcaster:
         active: list[_Role] = []
         for step in range(min(r.alloc_step for r in roles), max(r.last_step for r in roles) + 2):
             for role in _due(others, step):
-                role.buffer = torch.empty(role.transfer.nbytes, dtype=torch.uint8, device=self._device)
+                role.buffer = self._receive_buffer(role.transfer, buffers)
                 _activate(role, active)
             ops = [op for role in active for op in role.ops(step)]
             works = self._post(ops)
@@ -377,6 +386,15 @@ class ChainBroadcaster:
                 _activate(role, active)
             self._prefill(active, step)
             self._complete(ops, works)
+
+    def _receive_buffer(self, t: Transfer, buffers: Buffers | None) -> torch.Tensor:
+        given = buffers(t) if buffers is not None else None
+        if given is None:
+            return torch.empty(t.nbytes, dtype=torch.uint8, device=self._device)
+        if given.dtype != torch.uint8 or given.numel() != t.nbytes or given.device != self._device:
+            raise ValueError(f"transfer {t.tid}: a receive buffer must be {t.nbytes} uint8 on "
+                             f"{self._device}, got {given.numel()} {given.dtype} on {given.device}")
+        return given
 
     def _prefill(self, active: list[_Role], step: int) -> None:
         """Get from the sources the pieces heads send in the next step (overlaps the wire)."""

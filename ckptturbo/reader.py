@@ -230,6 +230,13 @@ class TurboReader(StorageReader):
         self._read_checked(cid, view)  # the last read's error is the report
         return view
 
+    def _fetch_into(self, cid: str, into: dict[str, torch.Tensor]) -> memoryview:
+        """A verified chunk, read straight into its destination when that is host memory."""
+        target = into.get(cid)
+        if target is None or target.is_cuda:
+            return self._fetch_verified(cid)
+        return self._fetch_verified(cid, memoryview(target.numpy()))
+
     def _read_checked(self, cid: str, view: memoryview) -> None:
         try:
             if len(view):
@@ -253,11 +260,11 @@ class TurboReader(StorageReader):
     def _load_direct(self, jobs: list[Job], planner: LoadPlanner) -> None:
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
         cids = chunks_touched((j.shard.pieces, j.start, j.end) for j in jobs)
-        into = in_place_targets(jobs, self._chunk_sizes)
+        into = in_place_targets(jobs, self._chunk_sizes, torch.device("cpu"))
         location = self.location
         reads = [Read(i, 0, location.chunk_path(cid), 0, self._chunk_sizes[cid])
                  for i, cid in enumerate(cids)]
-        prefetcher = Prefetcher(reads, lambda r: self._fetch_verified(cids[r.index], into.get(cids[r.index])),
+        prefetcher = Prefetcher(reads, lambda r: self._fetch_into(cids[r.index], into),
                                 location.chunk_store.submit, MemoryBudget(self.read_ahead_bytes),
                                 streams=location.chunk_store.max_workers, lookahead=1)
         by_id = dict(zip(cids, reads))
@@ -286,8 +293,10 @@ class TurboReader(StorageReader):
         transport = load_transport(self.process_group, self.transport, cuda_bytes,
                                    sum(j.end - j.start for j in jobs))
         self.transport_used = transport
+        into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()
-        engine = ReadOnce([chains.assignments], group=transport.group, fetch=self._fetch_verified,
+        engine = ReadOnce([chains.assignments], group=transport.group,
+                          fetch=lambda cid: self._fetch_into(cid, into), into=into.get,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
                           check=self._check if self.verify_mode != "off" else None,

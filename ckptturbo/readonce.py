@@ -91,6 +91,10 @@ class ReadOnce:
             on all-zero units, or on every unit with ``check_all`` (a CUDA unit is copied
             to the host for it).
         reserve: called before each batch; False stops the pass.
+        into: where a unit's bytes should end up on this rank (a uint8 tensor of its size on
+            the chain's device, its final destination) or None; such a unit is received
+            straight into it, and a CUDA head copies its bytes there (a host head's ``fetch``
+            reads into host destinations itself). The tensor is what ``deliver`` then gets.
     """
 
     def __init__(self, batches: Sequence[Sequence[ChainAssignment]], *, group: dist.ProcessGroup | None,
@@ -98,11 +102,13 @@ class ReadOnce:
                  submit: Callable[..., Future], budget: MemoryBudget, streams: int,
                  check: Check | None = None, check_all: bool = False,
                  reserve: Callable[[Sequence[ChainAssignment]], bool] | None = None,
+                 into: Callable[[str], torch.Tensor | None] | None = None,
                  settings: ChainSettings = ChainSettings()) -> None:
         self.rank = dist.get_rank(group)
         self._deliver, self._done, self._check, self._reserve = deliver, done, check, reserve
         self._check_all = check_all
         self._fetch = fetch
+        self._into = into
         self.device = settings.device
         self.broadcaster = ChainBroadcaster(group, piece_size=settings.piece_size,
                                             max_inflight=settings.max_inflight, timeout=settings.timeout,
@@ -156,7 +162,7 @@ class ReadOnce:
                 if self._closed or (self._reserve is not None and not self._reserve(batch)):
                     break
                 self.prefetcher.at_file(b + 1)
-                self.broadcaster.run(transfers, self._source, self._sink)
+                self.broadcaster.run(transfers, self._source, self._sink, self._destination)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer through done()
             log.debug("rank %d: read-once pass failed: %s", self.rank, exc)
             self.failures.insert(0, exc)
@@ -168,7 +174,7 @@ class ReadOnce:
     def _source(self, t: Transfer) -> Iterator[torch.Tensor]:
         read = self._heads[t.tid]
         try:
-            wire = self._to_wire(read.result())
+            wire = self._to_wire(read.result(), self._destination(t))
         except CkptTurboError as exc:
             self.failures.append(exc)
             self._failed.add(t.tid)
@@ -177,11 +183,15 @@ class ReadOnce:
             self.prefetcher.release(read)  # the broadcaster holds the bytes now
         yield wire
 
-    def _to_wire(self, data: Buffer) -> torch.Tensor:
+    def _destination(self, t: Transfer) -> torch.Tensor | None:
+        return self._into(self._keys[t.tid]) if self._into is not None else None
+
+    def _to_wire(self, data: Buffer, destination: torch.Tensor | None) -> torch.Tensor:
         """A head's verified bytes as a buffer on the chain's device."""
         if self.device.type == "cpu":
             return as_uint8(data)
-        buffer = torch.empty(len(data), dtype=torch.uint8, device=self.device)
+        buffer = destination if destination is not None else \
+            torch.empty(len(data), dtype=torch.uint8, device=self.device)
         self._copier.to_device(memoryview(data).cast("B"), buffer, 0)
         self._copier.finish(self.device)  # sends are queued on the current stream
         return buffer

@@ -202,6 +202,33 @@ def test_dead_or_stalled_peer_raises_communication_error_within_timeout() -> Non
     assert "rank 2" in outcomes[3][1]  # the stalled rank fails cleanly too once it wakes up
 
 
+def _receive_into_destinations(rank: int, world: int) -> tuple[bool, bool, str]:
+    """Receivers name where transfer 1 goes; the sink gets exactly that tensor, filled."""
+    transfers = [Transfer(1, 3 * PIECE + 5, (0, 1, 2)), Transfer(2, PIECE, (0, 1, 2))]
+    destination = torch.zeros(3 * PIECE + 5, dtype=torch.uint8)
+    got: dict[int, torch.Tensor] = {}
+    bc = ChainBroadcaster(piece_size=PIECE, timeout=30)
+    bc.run(transfers, uneven_source, lambda t, b: got.__setitem__(t.tid, b),
+           lambda t: destination if t.tid == 1 else None)
+    same = got[1].data_ptr() == destination.data_ptr()
+    exact = torch.equal(got[1], pattern(transfers[0])) and torch.equal(got[2], pattern(transfers[1]))
+    refused = ""
+    try:  # a buffer of the wrong size is refused before any byte lands in it
+        ChainBroadcaster(piece_size=PIECE, timeout=3).run(
+            transfers, uneven_source, lambda t, b: None, lambda t: destination[:7])
+    except (ValueError, CommunicationError) as exc:  # the head: its receivers gave up
+        refused = f"{type(exc).__name__}: {exc}"
+    return same, exact, refused
+
+
+def test_receivers_assemble_in_the_buffers_they_name() -> None:
+    head, *receivers = results = run_distributed(_receive_into_destinations, 3, timeout=60)
+    assert head[:2] == (False, True)  # the head sends from its source's bytes
+    assert all(r[:2] == (True, True) for r in receivers), results
+    assert all(r[2].startswith("ValueError") and "must be" in r[2] for r in receivers), results
+    assert head[2].startswith("CommunicationError"), results
+
+
 def test_without_process_group_chains_of_one_work() -> None:
     transfers = [Transfer(2, 3 * PIECE + 1, (0,)), Transfer(1, 0, (0,))]
     checker = Checker()
