@@ -11,8 +11,6 @@ or a peer.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -25,16 +23,15 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
-from .errors import CheckpointNotFound, IntegrityError, MismatchError, ShortReadError
+from .chunk_source import ChunkSource
+from .errors import MismatchError
 from .groups import TRANSPORTS, Transport, load_transport
-from .integrity import damaged_chunk, verify_chunk
-from .layout import READS_OF_A_DAMAGED_OBJECT, Location, Manifest, ShardRecord
+from .layout import Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, ReadOnce
 from .staging import DeviceCopier, as_uint8
 
-log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReadChains:
@@ -112,22 +109,16 @@ class TurboReader(StorageReader):
         self.process_group = process_group
         self.rank = 0
         self.is_coordinator = True
-        self.bytes_from_storage = 0
-        self.chunks_verified = 0
+        self._source: ChunkSource | None = None
         self._location: Location | None = None
         self._manifest: Manifest | None = None
         self._shards: dict[MetadataIndex, ShardRecord] = {}
         self._chunk_sizes: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_location=None, _lock=None, process_group=None, transport_used=None)
+        state.update(_location=None, _source=None, process_group=None, transport_used=None)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # --- DCP StorageReader protocol -------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -135,8 +126,24 @@ class TurboReader(StorageReader):
             self.url = str(checkpoint_id)
             self._location = None
             self._manifest = None
-        self.bytes_from_storage = 0
-        self.chunks_verified = 0
+        self._source = None
+
+    @property
+    def chunks(self) -> ChunkSource:
+        """This checkpoint's verified chunk reads (and their counts), since the last reset."""
+        if self._source is None:
+            self._source = ChunkSource(self.location, self.read_manifest(), self.url, self.verify_mode)
+        return self._source
+
+    @property
+    def bytes_from_storage(self) -> int:
+        """Bytes this rank read from storage since the last reset (chunks, not the manifest)."""
+        return self._source.bytes_from_storage if self._source is not None else 0
+
+    @property
+    def chunks_verified(self) -> int:
+        """Chunks this rank hashed since the last reset."""
+        return self._source.chunks_verified if self._source is not None else 0
 
     @property
     def checkpoint_id(self) -> str:
@@ -214,46 +221,6 @@ class TurboReader(StorageReader):
     def _chunks_of(self, items: list[ReadItem]) -> list[str]:
         return chunks_touched((self._shard(i).pieces, *item_span(self._shard(i), i)) for i in items)
 
-    # --- chunk sources ---------------------------------------------------------------
-    def _fetch_verified(self, cid: str, out: memoryview | None = None) -> memoryview:
-        """A chunk read from storage and verified. A damaged one is read again (up to
-        READS_OF_A_DAMAGED_OBJECT reads) before it is reported: a body corrupted in transit
-        reads right a later time, a chunk corrupted, truncated or deleted at rest does not."""
-        size = self._chunk_sizes[cid]
-        view = memoryview(bytearray(size)) if out is None else out
-        for _ in range(READS_OF_A_DAMAGED_OBJECT - 1):
-            try:
-                self._read_checked(cid, view)
-                return view
-            except IntegrityError as exc:
-                log.warning("%s; reading it again in case it was damaged in transit", exc)
-        self._read_checked(cid, view)  # the last read's error is the report
-        return view
-
-    def _fetch_into(self, cid: str, into: dict[str, torch.Tensor]) -> memoryview:
-        """A verified chunk, read straight into its destination when that is host memory."""
-        target = into.get(cid)
-        if target is None or target.is_cuda:
-            return self._fetch_verified(cid)
-        return self._fetch_verified(cid, memoryview(target.numpy()))
-
-    def _read_checked(self, cid: str, view: memoryview) -> None:
-        try:
-            if len(view):
-                self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
-        except (ShortReadError, CheckpointNotFound) as exc:
-            problem = "missing" if isinstance(exc, CheckpointNotFound) else f"truncated ({exc})"
-            raise damaged_chunk(self.location, self.read_manifest(), self.url, cid, problem) from exc
-        with self._lock:
-            self.bytes_from_storage += len(view)
-        self._check(cid, view)
-
-    def _check(self, cid: str, data: memoryview) -> None:
-        if self.verify_mode != "off":
-            verify_chunk(self.location, self.read_manifest(), self.url, cid, data)
-            with self._lock:
-                self.chunks_verified += 1
-
     def _finisher(self, planner: LoadPlanner, copier: DeviceCopier) -> Any:
         return lambda job: finish_job(job, planner, self.allow_pickle, self.url, copier)
 
@@ -264,7 +231,8 @@ class TurboReader(StorageReader):
         location = self.location
         reads = [Read(i, 0, location.chunk_path(cid), 0, self._chunk_sizes[cid])
                  for i, cid in enumerate(cids)]
-        prefetcher = Prefetcher(reads, lambda r: self._fetch_into(cids[r.index], into),
+        chunks = self.chunks
+        prefetcher = Prefetcher(reads, lambda r: chunks.fetch_into(cids[r.index], into),
                                 location.chunk_store.submit, MemoryBudget(self.read_ahead_bytes),
                                 streams=location.chunk_store.max_workers, lookahead=1)
         by_id = dict(zip(cids, reads))
@@ -295,11 +263,12 @@ class TurboReader(StorageReader):
         self.transport_used = transport
         into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()
+        chunks = self.chunks
         engine = ReadOnce([chains.assignments], group=transport.group,
-                          fetch=lambda cid: self._fetch_into(cid, into), into=into.get,
+                          fetch=lambda cid: chunks.fetch_into(cid, into), into=into.get,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
-                          check=self._check if self.verify_mode != "off" else None,
+                          check=chunks.check if self.verify_mode != "off" else None,
                           check_all=self.verify_mode == "all",
                           settings=ChainSettings(self.piece_size, timeout=self.timeout,
                                                  device=transport.device))

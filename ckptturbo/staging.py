@@ -10,7 +10,6 @@ space comes back at the tail, and a pool smaller than the state simply stages in
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
 import time
@@ -21,8 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 DEFAULT_POOL_FRACTION_OF_RAM = 0.25
 MAX_DEFAULT_POOL_BYTES = 8 << 30

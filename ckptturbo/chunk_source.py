@@ -1,0 +1,73 @@
+"""Chunks as a load gets them from storage: read (into their destination when it is host
+memory), verified against their BLAKE3 names, read again when damaged in transit.
+
+One checkpoint's chunk store, one verification setting, and the two counts a load reports
+(bytes read from storage, chunks verified), which is how the tests and benchmarks show
+that a grouped load reads each chunk once and hashes it once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .errors import CheckpointNotFound, IntegrityError, ShortReadError
+from .integrity import damaged_chunk, verify_chunk
+from .layout import READS_OF_A_DAMAGED_OBJECT, Location, Manifest
+
+log = logging.getLogger(__name__)
+
+
+class ChunkSource:
+    """Verified chunk reads of one checkpoint; ``verify`` is "storage", "all" or "off"
+    (see TurboReader: here it only matters whether chunks are hashed at all)."""
+
+    def __init__(self, location: Location, manifest: Manifest, url: str, verify: str) -> None:
+        self.location = location
+        self.manifest = manifest
+        self.url = url
+        self.verify = verify
+        self.bytes_from_storage = 0
+        self.chunks_verified = 0
+        self._lock = threading.Lock()
+
+    def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
+        """A chunk read from storage and verified. A damaged one is read again (up to
+        READS_OF_A_DAMAGED_OBJECT reads) before it is reported: a body corrupted in transit
+        reads right a later time, a chunk corrupted, truncated or deleted at rest does not."""
+        view = memoryview(bytearray(self.manifest.chunks[cid])) if out is None else out
+        for _ in range(READS_OF_A_DAMAGED_OBJECT - 1):
+            try:
+                self._read_checked(cid, view)
+                return view
+            except IntegrityError as exc:
+                log.warning("%s; reading it again in case it was damaged in transit", exc)
+        self._read_checked(cid, view)  # the last read's error is the report
+        return view
+
+    def fetch_into(self, cid: str, into: dict[str, torch.Tensor]) -> memoryview:
+        """A verified chunk, read straight into its destination when that is host memory."""
+        target = into.get(cid)
+        if target is None or target.is_cuda:
+            return self.fetch(cid)
+        return self.fetch(cid, memoryview(target.numpy()))
+
+    def check(self, cid: str, data: memoryview) -> None:
+        """Raise IntegrityError naming the chunk and its tensors unless ``data`` is chunk
+        ``cid`` (nothing when verification is off)."""
+        if self.verify != "off":
+            verify_chunk(self.location, self.manifest, self.url, cid, data)
+            with self._lock:
+                self.chunks_verified += 1
+
+    def _read_checked(self, cid: str, view: memoryview) -> None:
+        try:
+            if len(view):
+                self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
+        except (ShortReadError, CheckpointNotFound) as exc:
+            problem = "missing" if isinstance(exc, CheckpointNotFound) else f"truncated ({exc})"
+            raise damaged_chunk(self.location, self.manifest, self.url, cid, problem) from exc
+        with self._lock:
+            self.bytes_from_storage += len(view)
+        self.check(cid, view)
