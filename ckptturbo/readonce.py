@@ -20,7 +20,7 @@ NCCL, in which case a head copies what it read to the device through the pinned 
 prefetcher's GETs go on) and every rank delivers device tensors. Buffers follow the
 broadcaster's ownership contract: ``deliver(key, buffer)`` owns the uint8 tensor
 ``buffer`` from then on (no copy is made); on a host-buffer head it is the buffer
-``fetch`` returned. A head's
+``fetch`` returned, and with ``into`` it is the unit's destination itself. A head's
 read-ahead reservation ends when the broadcaster takes the bytes: from then on they are
 one of its ``max_inflight`` buffers. (Holding the reservation until the consumer is done
 could deadlock: the broadcaster waits for the next source's bytes before it finishes the
