@@ -31,6 +31,12 @@ _dedicated: dict[tuple[Any, str], Any] = {}
 _lock = threading.Lock()
 
 
+def check_transport(transport: str) -> None:
+    """Refuse a ``transport`` setting that is not one of TRANSPORTS."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+
+
 def moves_host_buffers(backend: str) -> bool:
     """Whether a group of this backend ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...) carries
     CPU tensors. Unknown backends count as not: a gloo group beside them is always safe."""
@@ -79,8 +85,7 @@ def host_transport_group(group: Any = None, transport: str = "auto", purpose: st
     "cpu:gloo,cuda:nccl" group), else a dedicated gloo group over its ranks; "gloo": always
     a dedicated gloo group, so chunks never share the training loop's group.
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    check_transport(transport)
     if not dist.is_initialized():
         return group
     if transport == "auto" and moves_host_buffers(dist.get_backend(group)):
@@ -106,8 +111,7 @@ def transport_kind(backend: str, transport: str, cuda_bytes: int, total_bytes: i
     else host buffers on the job's group ("job") when it carries them; else "gloo". The
     ``transport="gloo"`` setting always gives "gloo".
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    check_transport(transport)
     if transport == "gloo":
         return "gloo"
     if moves_cuda_tensors(backend) and 2 * cuda_bytes > total_bytes:

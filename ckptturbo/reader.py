@@ -25,7 +25,7 @@ from .assemble import Job, consume, finish_job, in_place_targets, item_span, mak
 from .checkpoint_id import servable
 from .chunk_source import ChunkSource
 from .errors import MismatchError
-from .groups import TRANSPORTS, Transport, load_transport
+from .groups import Transport, check_transport, load_transport
 from .layout import Location, Manifest, ShardRecord
 from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
@@ -97,8 +97,7 @@ class TurboReader(StorageReader):
         self.storage_options = storage_options
         self.verify = verify
         self.verify_mode = verify_mode(verify)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        check_transport(transport)
         self.transport = transport
         self.transport_used: Transport | None = None
         self.broadcast = broadcast
