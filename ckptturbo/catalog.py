@@ -69,10 +69,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
     """
     store = run.store
     path = run.pending_path(save_id, rank)
-    beat = Heartbeat(store, path, pending_lease(), rank=rank)
-    lock, beats = store.session.heartbeats
-    with lock:
-        beats[path] = beat
+    store.session.keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
     deadline = time.monotonic() + wait
     while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
@@ -85,10 +82,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
     """This rank's uploads are done: renew its marker once more and stop the heartbeat.
     The marker now holds for one lease, in which the coordinator commits and removes it."""
-    lock, beats = run.store.session.heartbeats
-    with lock:
-        beat = beats.pop(run.pending_path(save_id, rank), None)
-    if beat is not None:
+    for beat in run.store.session.take_heartbeats([run.pending_path(save_id, rank)]):
         beat.stop(final_beat=True)
 
 
@@ -96,11 +90,8 @@ def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
     """Remove the pending markers of these ranks of a save (absent ones are fine); a
     failure is only logged: it must not fail a committed save."""
     paths = [run.pending_path(save_id, rank) for rank in ranks]
-    lock, beats = run.store.session.heartbeats
-    with lock:
-        stopping = [beats.pop(p) for p in paths if p in beats]
-    for beat in stopping:  # stopped first: a late heartbeat must not bring a marker back
-        beat.stop()
+    for beat in run.store.session.take_heartbeats(paths):
+        beat.stop()  # first: a late heartbeat must not bring a marker back
     try:  # in parallel; every delete is attempted before the first failure is reported
         run.store.delete(paths)
     except CheckpointNotFound:

@@ -130,10 +130,15 @@ class Session:
                 self._indexes.move_to_end(key)
             return index
 
-    @property
-    def heartbeats(self) -> tuple[threading.RLock, dict[str, Any]]:
-        """The lock and the map (by marker path) of this session's pending-marker heartbeats."""
-        return self._lock, self._beats
+    def keep_heartbeat(self, path: str, beat: Any) -> None:
+        """Hold the heartbeat of a pending marker this session wrote, until it is taken back."""
+        with self._lock:
+            self._beats[path] = beat
+
+    def take_heartbeats(self, paths: list[str]) -> list[Any]:
+        """The heartbeats of these markers that the session holds, no longer held."""
+        with self._lock:
+            return [self._beats.pop(p) for p in paths if p in self._beats]
 
     def writer(self, url: str, storage_options: dict[str, Any] | None, options: dict[str, Any],
                collective: bool) -> TurboWriter:
