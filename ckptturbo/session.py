@@ -333,7 +333,7 @@ def _wait_at_exit() -> None:
         return
     limit = seconds_setting("EXIT_TIMEOUT", None, None, ValueError)
     deadline = None if limit is None else time.monotonic() + limit
-    log.warning("waiting at exit for %d checkpoint save(s) in flight: %s", len(flights),
+    log.info("waiting at exit for %d checkpoint save(s) in flight: %s", len(flights),
                 ", ".join(f.handle.url for f in flights))
     for flight in flights:
         handle = flight.handle
