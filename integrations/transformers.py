@@ -45,9 +45,10 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import ckptturbo as ct
+from ckptturbo.failures import as_ckptturbo_error
 
-from ._core import (DeferredGC, all_ranks, exists, list_checkpoints, native_rng_state,
-                    rank_and_world, remove, rng_state, save_tree)
+from ._core import (DeferredGC, all_ranks, exists, native_rng_state, rank_and_world, remove,
+                    rng_state, save_tree)
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,12 @@ _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 @contextlib.contextmanager
-def _ckptturbo_errors(what: str) -> Iterator[None]:
-    """Let only ckptturbo errors out, the original kept as ``__cause__``."""
+def _ckptturbo_errors(action: str, url: Any) -> Iterator[None]:
+    """Let only ckptturbo's errors out, the original kept as ``__cause__``."""
     try:
         yield
-    except ct.CkptTurboError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised as ckptturbo's, with the cause
-        raise ct.CkptTurboError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - converted, not swallowed
+        raise as_ckptturbo_error(exc, str(url), action) from exc
 
 
 class TurboCheckpointCallback(TrainerCallback):
@@ -95,15 +94,15 @@ class TurboCheckpointCallback(TrainerCallback):
     def url_of(self, args: Any, step: int) -> str:
         return f"{self.root(args)}/{PREFIX_CHECKPOINT_DIR}-{step}"
 
-    def checkpoints(self, args: Any) -> dict[int, str]:
+    def checkpoints(self, args: Any, *, wait: bool = True) -> dict[int, str]:
         """``{step: url}`` of the committed ``checkpoint-<step>`` checkpoints under the root.
 
-        A save of this process still in flight under the root is waited for first
-        (read-your-writes), so the newest is always listed.
+        Saves of this process still in flight under the root are waited for first
+        (read-your-writes), or with ``wait=False`` listed as they are.
         """
         root = self.root(args)
         found = {}
-        for info in list_checkpoints(root, self.storage_options):
+        for info in ct.list_checkpoints(root, storage_options=self.storage_options, wait=wait):
             match = _STEP.match(info.name)
             if match:
                 found[int(match.group(1))] = f"{root}/{info.name}"
@@ -112,7 +111,7 @@ class TurboCheckpointCallback(TrainerCallback):
     # -- hooks -------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        with _ckptturbo_errors(f"checking the best checkpoint under {self.root(args)}"):
+        with _ckptturbo_errors("checking the best checkpoint of", self.root(args)):
             recorded = self.best or state.best_model_checkpoint
             self.best = recorded if recorded and exists(recorded, self.storage_options) else None
             if not self.intercept:
@@ -136,7 +135,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, *, model: Any = None,
                      **kwargs: Any) -> Any:
         self.wait()
-        with _ckptturbo_errors(f"finishing the checkpoints under {self.root(args)}"):
+        with _ckptturbo_errors("finishing the checkpoints of", self.root(args)):
             self._update_best(args, state, saving=None)
             if self.intercept and args.load_best_model_at_end and self.best is not None:
                 self.load_model(self.best, model)  # the Trainer could not: not its own files
@@ -159,7 +158,7 @@ class TurboCheckpointCallback(TrainerCallback):
         save, if one failed meanwhile.
         """
         url = self.url_of(args, state.global_step)
-        with _ckptturbo_errors(f"saving {url}"):
+        with _ckptturbo_errors("saving", url):
             self._raise_failed()
             self._update_best(args, state, saving=url)
             if not self.intercept:
@@ -197,7 +196,8 @@ class TurboCheckpointCallback(TrainerCallback):
         limit = args.save_total_limit
         if limit is None or limit <= 0:
             return
-        ordered = [url for _, url in sorted(self._listed_with(args, newest).items())]
+        # the save just started is listed (pending), not waited for
+        ordered = [url for _, url in sorted(self.checkpoints(args, wait=False).items())]
         if len(ordered) <= limit:
             return
         protected = {ordered[-1], newest} | ({self.best} if self.best else set())
@@ -208,22 +208,15 @@ class TurboCheckpointCallback(TrainerCallback):
         if doomed:
             self._gc.schedule(self.root(args), self.handles)
 
-    def _listed_with(self, args: Any, newest: str) -> dict[int, str]:
-        """Committed checkpoints under the root, and ``newest`` (its save may be in flight)."""
-        found = self.checkpoints(args)
-        found[int(_STEP.match(newest.rsplit("/", 1)[1]).group(1))] = newest
-        return found
-
     def _raise_failed(self) -> None:
         for handle in [h for h in self.handles if h.done()]:
             self.handles.remove(handle)
-            if handle.durable.exception() is not None:
-                raise handle.durable.exception()
+            handle.wait()  # raises the save's failure
 
     def wait(self) -> None:
         """Block until every checkpoint is durable; raise the first failed save."""
         pending, self.handles = self.handles, []
-        with _ckptturbo_errors("waiting for the Trainer's checkpoints"):
+        with _ckptturbo_errors("waiting for the checkpoints of", self.url or "the Trainer"):
             for handle in pending:
                 handle.wait()
             self._gc.finish()
@@ -231,7 +224,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def load_model(self, url: str, model: Any) -> None:
         """Load the model weights of checkpoint ``url`` into ``model`` in place (the rest
         of the checkpoint is not read); every rank calls it."""
-        with _ckptturbo_errors(f"loading the model of {url}"):
+        with _ckptturbo_errors("loading the model of", url):
             module = _unwrap(model)
             state = module.state_dict()
             ct.load({f"model.{k}": v for k, v in state.items()}, url,
@@ -263,13 +256,13 @@ class TurboTrainerMixin:
         self.add_callback(self.turbo)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        with _ckptturbo_errors(f"resuming from {resume_from_checkpoint}"):
+        with _ckptturbo_errors("resuming from", resume_from_checkpoint):
             url = self._turbo_resolve(resume_from_checkpoint)
         if url is None:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         local = tempfile.mkdtemp(prefix="ckptturbo-resume-")
         try:
-            with _ckptturbo_errors(f"resuming from {url}"):
+            with _ckptturbo_errors("resuming from", url):
                 self._turbo_materialize(url, local)
             return super().train(resume_from_checkpoint=local, **kwargs)
         finally:
@@ -301,7 +294,7 @@ class TurboTrainerMixin:
         its own files); a checkpoint not written by ckptturbo goes to the Trainer's loader."""
         best = self.state.best_model_checkpoint
         self.turbo.wait()
-        with _ckptturbo_errors(f"loading the best model from {best}"):
+        with _ckptturbo_errors("loading the best model from", best):
             if not exists(best, self.turbo.storage_options):
                 return super()._load_best_model()
         log.info("loading best model from %s (score: %s)", best, self.state.best_metric)
