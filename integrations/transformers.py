@@ -61,7 +61,7 @@ def _ckptturbo_errors(action: str, url: Any) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - converted, not swallowed
-        raise as_ckptturbo_error(exc, str(url), action) from exc
+        raise as_ckptturbo_error(exc, str(url), action)  # keeps its own __cause__
 
 
 class TurboCheckpointCallback(TrainerCallback):
