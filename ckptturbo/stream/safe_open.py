@@ -256,11 +256,10 @@ class SafeOpen:
                 self._source.get(self._entry, a, b, cacheable=False), np.uint8)
 
         pieces = range(start, end, self.chunk_size)
-        if len(pieces) > 1 and not self._closed:
+        if len(pieces) > 1:
             self._source.store.map(piece, pieces)
-        else:  # one piece, or a slice outliving its closed handle: no pool to restart
-            for a in pieces:
-                piece(a)
+        elif pieces:
+            piece(start)  # one GET: no hop to the session's I/O threads
         return buf
 
     def _layout(self, info: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
