@@ -8,8 +8,9 @@ futures and of the adapters get ckptturbo's own error instead, with the original
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -46,6 +47,23 @@ def as_ckptturbo_error(exc: BaseException, url: str, action: str) -> BaseExcepti
     error = CkptTurboError(f"{action} {url} failed: {type(root).__name__}: {root}")
     error.__cause__ = root
     return error
+
+
+@contextlib.contextmanager
+def ckptturbo_errors(action: str, url: Any) -> Iterator[None]:
+    """Within the block, every failure leaves as :func:`as_ckptturbo_error` makes it.
+
+    A ckptturbo error found inside is raised as it is, its own ``__cause__`` intact (a
+    ``raise ... from`` here would overwrite it); a new one carries the original as its
+    cause. For ckptturbo's public functions and the adapters' public methods.
+    """
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - converted, never swallowed
+        error = as_ckptturbo_error(exc, str(url), action)
+        if error is exc:
+            raise
+        raise error  # noqa: B904 - its __cause__ is already the right one
 
 
 def _root_cause(found: list[tuple[BaseException, str | None]]) -> BaseException:

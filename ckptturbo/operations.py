@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import MismatchError, SaveInProgress
-from .failures import as_ckptturbo_error
+from .failures import as_ckptturbo_error, ckptturbo_errors
 from .reader import TurboReader
 from .session import single_process
 from .staging import SaveHandle, SaveSummary
@@ -34,10 +34,8 @@ def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
          collective: bool = True, storage_options: dict[str, Any] | None = None,
          planner: Any = None, wait_previous: bool = True, **writer_options: Any) -> SaveHandle:
     url = str(url)
-    try:
+    with ckptturbo_errors("saving", url):  # options the writer does not take
         writer = session.writer(url, storage_options, writer_options, collective)
-    except (TypeError, ValueError) as exc:  # options the writer does not take
-        raise as_ckptturbo_error(exc, url, "saving") from exc
     previous = session.saves_of(writer)
     if previous:
         if not wait_previous:
@@ -88,15 +86,9 @@ def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
     manifest = reader.read_manifest()
     check_fits(state_dict, manifest.items, url, strict)
     planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
-    try:
-        with single_process(not dist.is_initialized()):
-            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                     planner=planner, no_dist=not dist.is_initialized())
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        error = as_ckptturbo_error(exc, url, "loading")
-        if error is exc:
-            raise
-        raise error from exc
+    with ckptturbo_errors("loading", url), single_process(not dist.is_initialized()):
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                 planner=planner, no_dist=not dist.is_initialized())
 
 
 def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, Any] | None = None,
@@ -109,10 +101,7 @@ def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, An
     reader = _reader(session, url, storage_options, process_group=group,
                      allow_pickle=allow_pickle, **reader_options)
     metadata = reader.read_metadata()
-    missing = sorted(set(templates or ()) - set(metadata.state_dict_metadata))
-    if missing:
-        raise MismatchError(f"checkpoint {url} lacks {len(missing)} entries the caller holds, "
-                            f"e.g. {missing[:5]}")
+    check_templates(templates or {}, metadata.state_dict_metadata, url)
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if templates and key in templates:
@@ -122,24 +111,33 @@ def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, An
         else:
             flat[key] = None
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    try:
-        with single_process(not use_group):
-            dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
-                     no_dist=not use_group)
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        error = as_ckptturbo_error(exc, url, "loading")
-        if error is exc:
-            raise
-        raise error from exc
+    with ckptturbo_errors("loading", url), single_process(not use_group):
+        dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
+                 no_dist=not use_group)
     return unflatten(flat, metadata.planner_data, url)
 
 
 def _reader(session: Session, url: str, storage_options: dict[str, Any] | None,
             **options: Any) -> TurboReader:
-    try:
+    with ckptturbo_errors("loading", url):  # options the reader does not take
         return TurboReader(url, storage_options, session=session, **options)
-    except (TypeError, ValueError) as exc:  # options the reader does not take
-        raise as_ckptturbo_error(exc, url, "loading") from exc
+
+
+def check_templates(templates: dict[str, Any], items: dict[str, Any], url: str) -> None:
+    """Templates of ``load_state_dict`` must name entries of the checkpoint, tensors of its
+    global shapes; every one that does not is named in one MismatchError."""
+    problems = [f"{key!r} is not in the checkpoint" for key in sorted(set(templates) - set(items))]
+    for key, template in templates.items():
+        md = items.get(key)
+        if md is None or not isinstance(template, torch.Tensor):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key!r}: checkpoint holds an object, the template a tensor")
+        elif tuple(template.shape) != tuple(md.size):
+            problems.append(f"{key!r}: shape {tuple(template.shape)} in the template, "
+                            f"{tuple(md.size)} in the checkpoint")
+    if problems:
+        raise _mismatch("the templates do", url, problems)
 
 
 def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, strict: bool) -> None:
@@ -169,5 +167,10 @@ def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, stri
         extra = sorted(set(items) - set(flat))
         problems += [f"{k!r} is in the checkpoint but not in the state dict" for k in extra]
     if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise MismatchError(f"state dict does not fit checkpoint {url}: {shown}")
+        raise _mismatch("the state dict does", url, problems)
+
+
+def _mismatch(subject: str, url: str, problems: list[str]) -> MismatchError:
+    """One error naming every problem (the first ten, and how many more)."""
+    shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+    return MismatchError(f"{subject} not fit checkpoint {url}: {shown}")

@@ -5,6 +5,7 @@
   (Lightning saves on global rank 0 only, while the other ranks train on). It loads back
   with ``ct.load_state_dict``.
 * ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
+* ``ckptturbo_errors``: around an adapter's public method, lets only ckptturbo's errors out.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
 from ckptturbo import catalog
+from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
 from ckptturbo.tree import flatten
 
 log = logging.getLogger(__name__)
@@ -66,10 +68,12 @@ def remove(url: str, storage_options: dict[str, Any] | None = None, *,
 
 
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
-                     session: ct.Session | None = None) -> list[Any]:
+                     wait: bool = True, session: ct.Session | None = None) -> list[Any]:
     """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``);
-    saves in flight in this process under the run are waited for."""
-    return _session(session).list_checkpoints(str(run_url), storage_options=storage_options)
+    saves in flight in this process under the run are waited for, or with ``wait=False``
+    listed last with ``pending=True``."""
+    return _session(session).list_checkpoints(str(run_url), storage_options=storage_options,
+                                              wait=wait)
 
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,

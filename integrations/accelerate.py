@@ -38,21 +38,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckptturbo as ct
-from ckptturbo.failures import as_ckptturbo_error
 from ckptturbo.tree import SKELETON_KEY, flatten
 
-from ._core import all_ranks, rank_and_world, rng_state, save_tree, set_rng_state
+from ._core import all_ranks, ckptturbo_errors, rank_and_world, rng_state, save_tree, set_rng_state
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _ckptturbo_errors(action: str, url: Any) -> Iterator[None]:
-    """Let only ckptturbo's errors out, the original kept as ``__cause__``."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - converted, not swallowed
-        raise as_ckptturbo_error(exc, str(url), action)  # keeps its own __cause__
 
 
 def _prepared(accelerator: Any, name: str) -> list[Any]:
@@ -92,7 +82,7 @@ def save_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
     default) it returns once staged, so training may go on at once.
     """
     url = str(url)
-    with _ckptturbo_errors("saving", url):
+    with ckptturbo_errors("saving", url):
         models = _prepared(accelerator, "_models")
         weights = [get_model_state_dict(m) for m in models]
         for hook in _hooks(accelerator, "_save_model_state_pre_hook"):
@@ -127,7 +117,7 @@ def load_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
     tensors and plain Python values need ``allow_pickle=True`` (trusted checkpoints only).
     """
     url = str(url)
-    with _ckptturbo_errors("loading", url):
+    with ckptturbo_errors("loading", url):
         models = _prepared(accelerator, "_models")
         for hook in _hooks(accelerator, "_load_model_state_pre_hook"):
             hook(models, url)  # may take models out of the list (it loaded them itself)

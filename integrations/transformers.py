@@ -28,7 +28,6 @@ inside ``Trainer.train``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +35,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,23 +43,13 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import ckptturbo as ct
-from ckptturbo.failures import as_ckptturbo_error
 
-from ._core import (DeferredGC, all_ranks, exists, native_rng_state, rank_and_world, remove,
-                    rng_state, save_tree)
+from ._core import (DeferredGC, all_ranks, ckptturbo_errors, exists, list_checkpoints,
+                    native_rng_state, rank_and_world, remove, rng_state, save_tree)
 
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
-@contextlib.contextmanager
-def _ckptturbo_errors(action: str, url: Any) -> Iterator[None]:
-    """Let only ckptturbo's errors out, the original kept as ``__cause__``."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - converted, not swallowed
-        raise as_ckptturbo_error(exc, str(url), action)  # keeps its own __cause__
 
 
 class TurboCheckpointCallback(TrainerCallback):
@@ -102,7 +90,7 @@ class TurboCheckpointCallback(TrainerCallback):
         """
         root = self.root(args)
         found = {}
-        for info in ct.list_checkpoints(root, storage_options=self.storage_options, wait=wait):
+        for info in list_checkpoints(root, storage_options=self.storage_options, wait=wait):
             match = _STEP.match(info.name)
             if match:
                 found[int(match.group(1))] = f"{root}/{info.name}"
@@ -111,7 +99,7 @@ class TurboCheckpointCallback(TrainerCallback):
     # -- hooks -------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        with _ckptturbo_errors("checking the best checkpoint of", self.root(args)):
+        with ckptturbo_errors("checking the best checkpoint of", self.root(args)):
             recorded = self.best or state.best_model_checkpoint
             self.best = recorded if recorded and exists(recorded, self.storage_options) else None
             if not self.intercept:
@@ -135,7 +123,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, *, model: Any = None,
                      **kwargs: Any) -> Any:
         self.wait()
-        with _ckptturbo_errors("finishing the checkpoints of", self.root(args)):
+        with ckptturbo_errors("finishing the checkpoints of", self.root(args)):
             self._update_best(args, state, saving=None)
             if self.intercept and args.load_best_model_at_end and self.best is not None:
                 self.load_model(self.best, model)  # the Trainer could not: not its own files
@@ -158,7 +146,7 @@ class TurboCheckpointCallback(TrainerCallback):
         save, if one failed meanwhile.
         """
         url = self.url_of(args, state.global_step)
-        with _ckptturbo_errors("saving", url):
+        with ckptturbo_errors("saving", url):
             self._raise_failed()
             self._update_best(args, state, saving=url)
             if not self.intercept:
@@ -216,7 +204,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def wait(self) -> None:
         """Block until every checkpoint is durable; raise the first failed save."""
         pending, self.handles = self.handles, []
-        with _ckptturbo_errors("waiting for the checkpoints of", self.url or "the Trainer"):
+        with ckptturbo_errors("waiting for the checkpoints of", self.url or "the Trainer"):
             for handle in pending:
                 handle.wait()
             self._gc.finish()
@@ -224,7 +212,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def load_model(self, url: str, model: Any) -> None:
         """Load the model weights of checkpoint ``url`` into ``model`` in place (the rest
         of the checkpoint is not read); every rank calls it."""
-        with _ckptturbo_errors("loading the model of", url):
+        with ckptturbo_errors("loading the model of", url):
             module = _unwrap(model)
             state = module.state_dict()
             ct.load({f"model.{k}": v for k, v in state.items()}, url,
@@ -256,13 +244,13 @@ class TurboTrainerMixin:
         self.add_callback(self.turbo)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        with _ckptturbo_errors("resuming from", resume_from_checkpoint):
+        with ckptturbo_errors("resuming from", resume_from_checkpoint):
             url = self._turbo_resolve(resume_from_checkpoint)
         if url is None:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         local = tempfile.mkdtemp(prefix="ckptturbo-resume-")
         try:
-            with _ckptturbo_errors("resuming from", url):
+            with ckptturbo_errors("resuming from", url):
                 self._turbo_materialize(url, local)
             return super().train(resume_from_checkpoint=local, **kwargs)
         finally:
@@ -294,7 +282,7 @@ class TurboTrainerMixin:
         its own files); a checkpoint not written by ckptturbo goes to the Trainer's loader."""
         best = self.state.best_model_checkpoint
         self.turbo.wait()
-        with _ckptturbo_errors("loading the best model from", best):
+        with ckptturbo_errors("loading the best model from", best):
             if not exists(best, self.turbo.storage_options):
                 return super()._load_best_model()
         log.info("loading best model from %s (score: %s)", best, self.state.best_metric)
