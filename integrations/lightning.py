@@ -11,19 +11,34 @@ storage is read once and forwarded between ranks.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
+import pickle
+from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 import torch
-from lightning.pytorch.plugins import CheckpointIO
+from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
 from ckptturbo.tree import SKELETON_KEY, flatten
 
 from ._core import DeferredGC, remove, run_of, save_tree
 
+log = logging.getLogger(__name__)
 
-class TurboCheckpointIO(CheckpointIO):
+
+class TurboCheckpointIO(TorchCheckpointIO):
     """CheckpointIO writing ckptturbo checkpoints to a local path or any fsspec URL (``s3://``).
+
+    A drop-in for Lightning's default ``TorchCheckpointIO`` (hence a subclass of it), keeping
+    its contract: removing a missing path does nothing, a plain torch ``.ckpt`` file (written
+    before the plugin was added) still loads and can be removed, and the plugin accepts
+    ``storage_options``. Only ckptturbo errors leave its methods (the original as
+    ``__cause__``).
 
     Args:
         storage_options: fsspec options for the checkpoint location (endpoint, keys, ...);
@@ -52,27 +67,62 @@ class TurboCheckpointIO(CheckpointIO):
         return {**(self.storage_options or {}), **dict(extra)}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        """Return once ``checkpoint`` is staged in host memory; the upload continues behind."""
-        self._raise_failed()
-        handle = save_tree(checkpoint, str(path), storage_options=self._options(storage_options),
-                           collective=False, **self.writer_options)
-        self._handles.append(handle)
-        handle.staged.result()
+        """Return once ``checkpoint`` is staged in host memory; the upload continues behind.
+
+        On a local disk the checkpoint's directory exists when this returns, as a file
+        written by ``TorchCheckpointIO`` would: ``ModelCheckpoint`` probes names with its own
+        filesystem (collision check, HPC numbering). Without its manifest the directory is
+        not a checkpoint to ckptturbo; a failed save removes it again.
+        """
+        url = str(path)
+        with _ckptturbo_errors("save of", url):
+            self._raise_failed()
+            reserved = _reserve(url)
+            handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
+                               collective=False, **self.writer_options)
+            if reserved:
+                handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
+            self._handles.append(handle)
+            handle.staged.result()
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False."""
-        self._wait(raise_errors=False)
-        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        return ct.load_state_dict(str(path), storage_options=self.storage_options,
-                                  grouped=self.grouped_load, device=device,
-                                  allow_pickle=weights_only is False)
+        """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False.
+
+        A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it (``torch.load``
+        with the same ``map_location`` and ``weights_only``).
+        """
+        url = str(path)
+        with _ckptturbo_errors("load of", url):
+            self._wait(url)
+            fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+            if fs.isfile(fs_path):
+                with fs.open(fs_path, "rb") as f:
+                    return torch.load(f, map_location=map_location, weights_only=weights_only)
+            device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+            return ct.load_state_dict(url, storage_options=self.storage_options,
+                                      grouped=self.grouped_load, device=device,
+                                      allow_pickle=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the checkpoint now; its unshared chunks are freed once in-flight saves are durable."""
-        remove(str(path), self.storage_options)
-        if self.gc:
-            self._gc.schedule(run_of(str(path)), self._handles)
+        """Drop the checkpoint now (nothing if there is none); its unshared chunks are freed
+        once in-flight saves are durable. A plain file or a link (``save_last="link"``) is
+        removed as ``TorchCheckpointIO`` removes it."""
+        url = str(path)
+        with _ckptturbo_errors("removal of", url):
+            self._wait(url)
+            fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+            if _is_local(url) and os.path.islink(fs_path) or fs.isfile(fs_path):
+                fs.rm(fs_path)
+                return
+            try:
+                remove(url, self.storage_options)
+            except ct.CheckpointNotFound:
+                _unreserve(url)
+                return
+            _unreserve(url)
+            if self.gc:
+                self._gc.schedule(run_of(url), self._handles)
 
     def _raise_failed(self) -> None:
         """Raise the first failure of an earlier save; forget the saves that finished."""
@@ -82,24 +132,88 @@ class TurboCheckpointIO(CheckpointIO):
             if exc is not None:
                 raise exc
 
-    def _wait(self, raise_errors: bool = True) -> None:
-        first: BaseException | None = None
-        for handle in self._handles:
-            try:
-                handle.durable.result()
-            except Exception as exc:  # noqa: BLE001
-                first = first or exc
-        if first is not None and raise_errors:
-            self._handles.clear()
-            raise first
+    def _wait(self, url: str | None = None) -> None:
+        """Wait for this plugin's saves (of ``url`` only, if given); their failures are
+        raised by the next save or by teardown."""
+        for handle in list(self._handles):
+            if url is None or handle.url == url:
+                with contextlib.suppress(Exception):
+                    handle.durable.result()
 
     def teardown(self) -> None:
         """Wait until every checkpoint is durable, free unused chunks, raise a failed save."""
-        try:
-            self._wait()
-        finally:
-            self._handles.clear()
-            self._gc.finish()
+        with _ckptturbo_errors("a checkpoint save", "(teardown)"):
+            try:
+                self._wait()
+                self._raise_failed()
+            finally:
+                self._handles.clear()
+                self._gc.finish()
+
+
+def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any] | None = None,
+                         map_location: Any = None, weights_only: bool | None = None,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` for a ckptturbo checkpoint (local or ``s3://``), no Trainer needed.
+
+    ``LightningModule.load_from_checkpoint`` reads its path with ``torch.load`` and accepts
+    no CheckpointIO, but it accepts a file-like object: the checkpoint is loaded through
+    ``TurboCheckpointIO`` and handed over as an in-memory torch file, so Lightning's own
+    code restores hyper-parameters, state and ``on_load_checkpoint`` hooks. Holds the
+    checkpoint twice in host memory while it runs. ``kwargs`` go to
+    ``cls.load_from_checkpoint`` (``hparams_file``, ``strict``, overridden hyper-parameters).
+    """
+    plugin = TurboCheckpointIO(storage_options)
+    try:
+        checkpoint = plugin.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+    finally:
+        plugin.teardown()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=weights_only, **kwargs)
+
+
+def _is_local(url: str) -> bool:
+    return fsspec.utils.get_protocol(url) in ("file", "local")
+
+
+def _reserve(url: str) -> bool:
+    """Create a local checkpoint's directory ahead of its manifest; False on object stores."""
+    if not _is_local(url):
+        return False
+    os.makedirs(fsspec.core.url_to_fs(url)[1], exist_ok=True)
+    return True
+
+
+def _unreserve(url: str) -> None:
+    """Remove a local checkpoint directory left empty (removed, or its save failed)."""
+    if _is_local(url):
+        with contextlib.suppress(OSError):  # not empty or already gone: leave it
+            os.rmdir(fsspec.core.url_to_fs(url)[1])
+
+
+def _unreserve_failed(durable: Any, url: str) -> None:
+    if durable.exception() is not None:
+        _unreserve(url)
+
+
+_ERROR_TYPES: tuple[tuple[type[BaseException], type[ct.CkptTurboError]], ...] = (
+    (FileNotFoundError, ct.CheckpointNotFound), (PermissionError, ct.StorageAuthError),
+    (OSError, ct.StorageError), (pickle.UnpicklingError, ct.FormatError))
+
+
+@contextlib.contextmanager
+def _ckptturbo_errors(what: str, url: str) -> Iterator[None]:
+    """Let only ckptturbo's errors out (DCP's CheckpointException is a BaseException), the
+    original kept as ``__cause__``; interrupts and exits pass unchanged."""
+    try:
+        yield
+    except (ct.CkptTurboError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
+        kind = next((ours for theirs, ours in _ERROR_TYPES if isinstance(exc, theirs)), ct.CkptTurboError)
+        raise kind(f"{what} {url} failed: {type(exc).__name__}: {exc}") from exc
 
 
 class _TurboShardedCheckpoints:
