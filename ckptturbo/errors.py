@@ -55,6 +55,11 @@ class SaveInProgress(CkptTurboError):
     """A new save was started while the writer's previous save is not yet durable."""
 
 
+class UnsupportedStateError(CkptTurboError, TypeError):
+    """The state dict holds something that cannot be saved (a meta tensor, an object that
+    cannot be pickled)."""
+
+
 class ReplicaMismatchError(CkptTurboError):
     """Ranks that DCP treats as replicas of an item hold different bytes."""
 
@@ -72,4 +77,5 @@ __all__ = [
     "CommunicationError",
     "SaveInProgress",
     "ReplicaMismatchError",
+    "UnsupportedStateError",
 ]

@@ -277,9 +277,10 @@ class RunStore:
         self.gc_generation = store.join(self.root, GC_GENERATION)
 
     @classmethod
-    def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None) -> "RunStore":
+    def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None, *,
+                session: Any = None) -> "RunStore":
         """The chunk store of the run at ``run_url`` (the parent of its checkpoints)."""
-        store = Store(run_url, storage_options)
+        store = Store(run_url, storage_options, session=session)
         return cls(store, store.root)
 
     @property
@@ -298,10 +299,10 @@ class Location:
     """Where one checkpoint's manifest and its run's chunk store are."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 store_url: str | None = None) -> None:
+                 store_url: str | None = None, *, session: Any = None) -> None:
         self.url = str(url)
         self.storage_options = storage_options
-        self.store = Store(self.url, storage_options)
+        self.store = Store(self.url, storage_options, session=session)
         self.path = self.store.root
         parent = posixpath.dirname(self.path)
         if not parent or parent == self.path:
@@ -312,17 +313,17 @@ class Location:
             self.run = RunStore(self.store, parent)
             self.chunk_store_ref = ".."
         else:
-            self.run = RunStore.for_run(store_url, storage_options)
+            self.run = RunStore.for_run(store_url, storage_options, session=session)
             self.chunk_store_ref = str(store_url)
         self.chunk_store = self.run.store
         self.chunks_root = self.run.chunks_root
 
     @classmethod
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
-                     manifest: Manifest) -> "Location":
+                     manifest: Manifest, *, session: Any = None) -> "Location":
         """The location a committed manifest points at (its chunk store may be elsewhere)."""
         store_url = None if manifest.chunk_store == ".." else manifest.chunk_store
-        return cls(url, storage_options, store_url)
+        return cls(url, storage_options, store_url, session=session)
 
     def chunk_path(self, cid: str) -> str:
         return self.run.chunk_path(cid)

@@ -12,6 +12,7 @@ Results are typed: one ``ShardPart`` per entry and a ``SaveStats``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import catalog, replicas
+from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex, index_for
 from .chunks import ChunkLayout, chunk_id, layout_chunks
 from .layout import ReplicaPrint, RunStore, ShardPart, StoredPiece
@@ -96,19 +98,28 @@ class _Stored:
 
 
 def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | None,
-                 replica_check: str) -> tuple[list[Entry], list[WriteResult]]:
+                 replica_check: str, url: str) -> tuple[list[Entry], list[WriteResult]]:
     """The entries this rank writes, plus fingerprint-only results for the replicas it
-    holds but does not write (the coordinator compares them)."""
+    holds but does not write (the coordinator compares them). What cannot be saved (an
+    object pickle refuses, a meta tensor) is an UnsupportedStateError naming it."""
     entries: list[Entry] = []
     prints: list[WriteResult] = []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
-            data = planner.resolve_data(item).getvalue()
+            try:
+                data = planner.resolve_data(item).getvalue()
+            except Exception as exc:  # noqa: BLE001 - whatever pickling raised, named below
+                raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: the object "
+                                            f"cannot be serialised ({type(exc).__name__}: {exc})") from exc
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
                 torch.empty(0, dtype=torch.uint8)
             entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
             continue
-        flat = tensor_bytes(planner.resolve_data(item))
+        tensor = planner.resolve_data(item)
+        if tensor.is_meta:
+            raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: it is a meta "
+                                        "tensor, which holds no data (materialise it first)")
+        flat = tensor_bytes(tensor)
         fp = None
         if assignment is not None and item.index in assignment.replicated:
             fp = replicas.fingerprint(flat, replica_check)
@@ -134,11 +145,11 @@ def write_results(entries: list[Entry], sizes: dict[str, int]) -> list[WriteResu
 class Upload:
     """One rank's part of one save; ``run`` may be called once."""
 
-    def __init__(self, run: RunStore, save_id: str, rank: int, *,
+    def __init__(self, run_for: Callable[[], RunStore], save_id: str, rank: int, *,
                  pool_for: Callable[[int], HostBufferPool], copier: DeviceCopier,
                  chunk_size: int, pack_threshold: int, snapshot: bool,
                  on_staged: Callable[[], None] | None = None) -> None:
-        self.run_store = run
+        self._run_for = run_for
         self.save_id = save_id
         self.rank = rank
         self.pool_for = pool_for
@@ -152,6 +163,11 @@ class Upload:
         self._inflight: dict[str, Future] = {}
         self._waiting: list[_Staged] = []  # staged, not yet handed to the I/O pool
         self._futures: list[tuple[ChunkLayout, Future]] = []
+
+    @functools.cached_property
+    def run_store(self) -> RunStore:
+        """The run's chunk store, opened on first use: after staging, off the stall."""
+        return self._run_for()
 
     def run(self, entries: list[Entry]) -> SaveStats:
         """Stage, announce, then hash/dedup/upload every chunk; fills each entry's pieces."""
