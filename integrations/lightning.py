@@ -15,7 +15,6 @@ import contextlib
 import io
 import logging
 import os
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
+from ckptturbo.failures import as_ckptturbo_error
 from ckptturbo.tree import SKELETON_KEY, flatten
 
 from ._core import DeferredGC, remove, run_of, save_tree
@@ -58,8 +58,18 @@ class TurboCheckpointIO(TorchCheckpointIO):
         self.grouped_load = grouped_load
         self.gc = gc
         self.writer_options = writer_options
-        self._handles: list[Any] = []
-        self._gc = DeferredGC(storage_options)
+        self._handles: list[ct.SaveHandle] = []
+        self._session: ct.Session | None = None
+        self._gc: DeferredGC | None = None
+
+    @property
+    def session(self) -> ct.Session:
+        """The plugin's own session, made on first use (so a new plugin stays picklable, as
+        ``ddp_spawn`` needs); ``teardown`` closes it and the next use starts it again."""
+        if self._session is None:
+            self._session = ct.Session()
+            self._gc = DeferredGC(self.storage_options, session=self._session)
+        return self._session
 
     def _options(self, extra: Any = None) -> dict[str, Any] | None:
         if not extra:
@@ -75,11 +85,11 @@ class TurboCheckpointIO(TorchCheckpointIO):
         not a checkpoint to ckptturbo; a failed save removes it again.
         """
         url = str(path)
-        with _ckptturbo_errors("save of", url):
+        with _ckptturbo_errors(url, "saving"):
             self._raise_failed()
             reserved = _reserve(url)
             handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
-                               collective=False, **self.writer_options)
+                               collective=False, session=self.session, **self.writer_options)
             if reserved:
                 handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
             self._handles.append(handle)
@@ -89,39 +99,36 @@ class TurboCheckpointIO(TorchCheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False.
 
-        A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it (``torch.load``
-        with the same ``map_location`` and ``weights_only``).
+        A save of ``path`` in flight anywhere in this process (another Trainer's too) is
+        waited for. A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it
+        (``torch.load`` with the same ``map_location`` and ``weights_only``).
         """
         url = str(path)
-        with _ckptturbo_errors("load of", url):
-            self._wait(url)
+        with _ckptturbo_errors(url, "loading"):
             fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
             if fs.isfile(fs_path):
                 with fs.open(fs_path, "rb") as f:
                     return torch.load(f, map_location=map_location, weights_only=weights_only)
             device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-            return ct.load_state_dict(url, storage_options=self.storage_options,
-                                      grouped=self.grouped_load, device=device,
-                                      allow_pickle=weights_only is False)
+            return self.session.load_state_dict(url, storage_options=self.storage_options,
+                                                grouped=self.grouped_load, device=device,
+                                                allow_pickle=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the checkpoint now (nothing if there is none); its unshared chunks are freed
-        once in-flight saves are durable. A plain file or a link (``save_last="link"``) is
-        removed as ``TorchCheckpointIO`` removes it."""
+        """Drop the checkpoint now; nothing if there is none (or only an uncommitted one). A
+        save of it in flight is waited for first, so it cannot come back. Its unshared chunks
+        are freed in the background. A plain file or a link (``save_last="link"``) is removed
+        as ``TorchCheckpointIO`` removes it."""
         url = str(path)
-        with _ckptturbo_errors("removal of", url):
-            self._wait(url)
+        with _ckptturbo_errors(url, "removing"):
             fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
             if _is_local(url) and os.path.islink(fs_path) or fs.isfile(fs_path):
                 fs.rm(fs_path)
                 return
-            try:
-                remove(url, self.storage_options)
-            except ct.CheckpointNotFound:
-                _unreserve(url)
-                return
-            _unreserve(url)
+            remove(url, self.storage_options, session=self.session)
+            _unreserve(url)  # left by a save that never committed (its process was killed)
             if self.gc:
+                assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)
 
     def _raise_failed(self) -> None:
@@ -132,23 +139,25 @@ class TurboCheckpointIO(TorchCheckpointIO):
             if exc is not None:
                 raise exc
 
-    def _wait(self, url: str | None = None) -> None:
-        """Wait for this plugin's saves (of ``url`` only, if given); their failures are
-        raised by the next save or by teardown."""
-        for handle in list(self._handles):
-            if url is None or handle.url == url:
-                with contextlib.suppress(Exception):
-                    handle.durable.result()
-
     def teardown(self) -> None:
-        """Wait until every checkpoint is durable, free unused chunks, raise a failed save."""
-        with _ckptturbo_errors("a checkpoint save", "(teardown)"):
+        """Wait until every checkpoint is durable, free unused chunks, raise a failed save, and
+        close the plugin's session: no thread of ckptturbo's is left running."""
+        with _ckptturbo_errors("the plugin's checkpoints", "finishing"):
             try:
-                self._wait()
+                for handle in list(self._handles):
+                    with contextlib.suppress(Exception):  # raised just below
+                        handle.durable.result()
                 self._raise_failed()
             finally:
                 self._handles.clear()
-                self._gc.finish()
+                if self._session is not None:
+                    assert self._gc is not None
+                    self._gc.finish()
+                    self._session.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: saves in flight and the session belong to this process."""
+        return {**self.__dict__, "_handles": [], "_session": None, "_gc": None}
 
 
 def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any] | None = None,
@@ -198,22 +207,16 @@ def _unreserve_failed(durable: Any, url: str) -> None:
         _unreserve(url)
 
 
-_ERROR_TYPES: tuple[tuple[type[BaseException], type[ct.CkptTurboError]], ...] = (
-    (FileNotFoundError, ct.CheckpointNotFound), (PermissionError, ct.StorageAuthError),
-    (OSError, ct.StorageError), (pickle.UnpicklingError, ct.FormatError))
-
-
 @contextlib.contextmanager
-def _ckptturbo_errors(what: str, url: str) -> Iterator[None]:
-    """Let only ckptturbo's errors out (DCP's CheckpointException is a BaseException), the
-    original kept as ``__cause__``; interrupts and exits pass unchanged."""
+def _ckptturbo_errors(url: str, action: str) -> Iterator[None]:
+    """Let only ckptturbo's errors out of the plugin (the original as ``__cause__``)."""
     try:
         yield
-    except (ct.CkptTurboError, KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
     except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
-        kind = next((ours for theirs, ours in _ERROR_TYPES if isinstance(exc, theirs)), ct.CkptTurboError)
-        raise kind(f"{what} {url} failed: {type(exc).__name__}: {exc}") from exc
+        error = as_ckptturbo_error(exc, url, action)
+        if error is exc:
+            raise
+        raise error from error.__cause__ or exc
 
 
 class _TurboShardedCheckpoints:
