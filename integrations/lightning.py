@@ -3,7 +3,8 @@
 Lightning calls ``CheckpointIO.save_checkpoint`` on global rank 0 only, so the save runs in
 this process alone (no collective) and returns once the checkpoint dict is copied to host
 memory; hashing, upload and the manifest commit run behind training. A failed save is
-raised by the next ``save_checkpoint`` or by ``teardown()``. Each ``.ckpt`` path becomes a
+raised by the next ``save_checkpoint`` or by ``teardown()``, which also closes the plugin's
+own ``ckptturbo.Session`` (no thread is left). Each ``.ckpt`` path becomes a
 ckptturbo checkpoint directory; checkpoints of one ``dirpath`` share its chunk store, so
 unchanged tensors are written once. ``load_checkpoint`` needs no template: it rebuilds
 Lightning's whole dict from the manifest, and when every rank loads (``fit(ckpt_path=...)``)
