@@ -174,19 +174,22 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
 
     A save of it in flight in this process is waited for first, so it cannot commit after
     the delete. An unreadable manifest is removed too (with a warning): that is how a run
-    gets rid of it. On a file system the checkpoint's directory goes too once it is empty.
-    A missing checkpoint raises CheckpointNotFound.
+    gets rid of it. On a file system the checkpoint's directory goes too once it is empty,
+    also when it held no manifest (a save that never committed). A missing checkpoint
+    raises CheckpointNotFound.
     """
     wait_for_saves(url)
     location = Location(url, storage_options, session=session)
     try:
-        location.read_manifest()
-    except FormatError as exc:
-        log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
-    location.store.delete([location.manifest_path])
-    if location.store.is_local:
-        with contextlib.suppress(OSError):  # not empty (someone else's files): kept
-            os.rmdir(location.path)
+        try:
+            location.read_manifest()
+        except FormatError as exc:
+            log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
+        location.store.delete([location.manifest_path])
+    finally:
+        if location.store.is_local:
+            with contextlib.suppress(OSError):  # not empty (someone else's files): kept
+                os.rmdir(location.path)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import contextlib
 import io
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -24,10 +23,9 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
-from ckptturbo.failures import as_ckptturbo_error
 from ckptturbo.tree import SKELETON_KEY, flatten
 
-from ._core import DeferredGC, remove, run_of, save_tree
+from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +84,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
         not a checkpoint to ckptturbo; a failed save removes it again.
         """
         url = str(path)
-        with _ckptturbo_errors(url, "saving"):
+        with ckptturbo_errors("saving", url):
             self._raise_failed()
             reserved = _reserve(url)
             handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
@@ -105,7 +103,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
         (``torch.load`` with the same ``map_location`` and ``weights_only``).
         """
         url = str(path)
-        with _ckptturbo_errors(url, "loading"):
+        with ckptturbo_errors("loading", url):
             fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
             if fs.isfile(fs_path):
                 with fs.open(fs_path, "rb") as f:
@@ -121,13 +119,12 @@ class TurboCheckpointIO(TorchCheckpointIO):
         are freed in the background. A plain file or a link (``save_last="link"``) is removed
         as ``TorchCheckpointIO`` removes it."""
         url = str(path)
-        with _ckptturbo_errors(url, "removing"):
+        with ckptturbo_errors("removing", url):
             fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
             if _is_local(url) and os.path.islink(fs_path) or fs.isfile(fs_path):
                 fs.rm(fs_path)
                 return
-            remove(url, self.storage_options, session=self.session)
-            _unreserve(url)  # left by a save that never committed (its process was killed)
+            remove(url, self.storage_options, session=self.session)  # an empty directory goes too
             if self.gc:
                 assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)
@@ -143,7 +140,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
     def teardown(self) -> None:
         """Wait until every checkpoint is durable, free unused chunks, raise a failed save, and
         close the plugin's session: no thread of ckptturbo's is left running."""
-        with _ckptturbo_errors("the plugin's checkpoints", "finishing"):
+        with ckptturbo_errors("finishing", "the plugin's checkpoints"):
             try:
                 for handle in list(self._handles):
                     with contextlib.suppress(Exception):  # raised just below
@@ -206,18 +203,6 @@ def _unreserve(url: str) -> None:
 def _unreserve_failed(durable: Any, url: str) -> None:
     if durable.exception() is not None:
         _unreserve(url)
-
-
-@contextlib.contextmanager
-def _ckptturbo_errors(url: str, action: str) -> Iterator[None]:
-    """Let only ckptturbo's errors out of the plugin (the original as ``__cause__``)."""
-    try:
-        yield
-    except BaseException as exc:  # noqa: BLE001 - converted, not swallowed
-        error = as_ckptturbo_error(exc, url, action)
-        if error is exc:
-            raise
-        raise error from error.__cause__ or exc
 
 
 class _TurboShardedCheckpoints:
