@@ -23,19 +23,8 @@ from ckptturbo.integrations.accelerate import load_state, save_state  # noqa: E4
 from ckptturbo.testing.launcher import run_command  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "integration_scripts" / "accelerate_ddp.py"
-
-
-class Counter:
-    """An object registered with register_for_checkpointing (as the script's)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.n = sd["n"]
+sys.path.insert(0, str(SCRIPT.parent))
+from accelerate_ddp import Counter  # noqa: E402  the object the script registers
 
 
 @pytest.fixture
