@@ -23,9 +23,8 @@ from typing import Any, Callable, Sequence
 from . import __version__
 from .catalog import collect_garbage, delete_checkpoint, list_checkpoints
 from .errors import CkptTurboError
-from .export import export_dcp, export_safetensors
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
-from .layout import Location, Manifest, dtype_name
+from .layout import Location, Manifest
 
 log = logging.getLogger("ckptturbo.cli")
 
@@ -130,7 +129,7 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
     for fqn, item in sorted(manifest.items.items()):
         nbytes = sum(s.nbytes for s in item.shards)
         if item.kind == "tensor":
-            tensors.append({"name": fqn, "dtype": dtype_name(item.dtype), "shape": list(item.size),
+            tensors.append({"name": fqn, "dtype": item.dtype_name, "shape": list(item.size),
                             "bytes": nbytes, "shards": len(item.shards),
                             "chunks": len(item_chunks(item))})
         else:
@@ -230,6 +229,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Other tools (inference servers, converters) read safetensors or plain DCP, not chunks."""
+    from .export import export_dcp, export_safetensors  # imports torch: only this command needs it
+
     if args.format == "safetensors":
         tensors, files = export_safetensors(args.ckpt, args.dest, args.storage_options,
                                             max_shard_size=args.max_shard_size)
