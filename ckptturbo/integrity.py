@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .chunks import chunk_id
-from .errors import CheckpointNotFound, IntegrityError
+from .errors import CheckpointNotFound, IntegrityError, names_preview
 from .layout import ItemRecord, Location, Manifest
 
-USERS_SHOWN = 20  # names listed in an error before "..."
 
 
 def item_chunks(item: ItemRecord) -> set[str]:
@@ -68,5 +67,5 @@ def damaged_chunk(location: Location, manifest: Manifest, url: str, cid: str,
     users = users_of(manifest, cid)
     return IntegrityError(
         f"chunk {location.chunk_path(cid)} is {problem}; "
-        f"it holds bytes of {', '.join(map(repr, users[:USERS_SHOWN]))}"
-        f"{' ...' if len(users) > USERS_SHOWN else ''} in checkpoint {url}")
+        f"it holds bytes of {names_preview([repr(u) for u in users])} "
+        f"in checkpoint {url}")
