@@ -29,8 +29,11 @@ def chunk_users(manifest: Manifest) -> dict[str, list[str]]:
 
 
 def users_of(manifest: Manifest, cid: str) -> list[str]:
-    """The items one chunk holds bytes of (cheaper than ``chunk_users`` for one chunk)."""
-    return [fqn for fqn, item in sorted(manifest.items.items()) if cid in item_chunks(item)]
+    """The items one chunk holds bytes of (cheaper than ``chunk_users`` for one chunk), those
+    with the most bytes in it first: an error names only the first few."""
+    held = {fqn: sum(p.length for s in item.shards for p in s.pieces if p.chunk == cid)
+            for fqn, item in manifest.items.items() if cid in item_chunks(item)}
+    return sorted(held, key=lambda fqn: (-held[fqn], fqn))
 
 
 def chunk_problem(cid: str, data: bytes | bytearray | memoryview, size: int) -> str | None:
