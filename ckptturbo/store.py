@@ -165,10 +165,11 @@ class Store:
         return results
 
     def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call an fsspec method; on async filesystems (s3, gcs) bounded by request_timeout,
-        which cancels the request itself rather than abandoning a thread to it."""
+        """Call an fsspec method; on async filesystems (s3, gcs) its coroutine runs bounded
+        by the policy (request_timeout and the call's deadline), which cancels the request
+        itself rather than abandoning a thread to it."""
         if isinstance(self.fs, AsyncFileSystem):
-            kwargs["timeout"] = self.policy.request_timeout
+            return self.policy.run_async(self.fs.loop, getattr(self.fs, f"_{method}")(*args, **kwargs))
         return getattr(self.fs, method)(*args, **kwargs)
 
     # --- writes
