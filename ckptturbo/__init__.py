@@ -1,13 +1,16 @@
 """ckptturbo: checkpoint I/O for distributed PyTorch at the speed of the hardware.
 
-The public names are imported on first use (PEP 562), so ``import ckptturbo`` and the
-commands that need no tensors (``ckptturbo --version``, ``ls``, ``inspect``) do not pay
-for importing torch. Add a public name with one line in ``_PUBLIC``.
+The public names are imported on first use (PEP 562), so the commands that need no
+tensors (``ckptturbo --version``, ``ls``, ``inspect``) do not pay for importing torch.
+Where torch is imported already (a training or serving process), they are imported at
+once instead: the first ``ct.save`` must stall for its copy only, not for importing DCP.
+Add a public name with one line in ``_PUBLIC``.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -61,3 +64,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+if "torch" in sys.modules:
+    for _name in _PUBLIC:
+        __getattr__(_name)
+    importlib.import_module(".operations", __name__)  # what the first ct.save runs
