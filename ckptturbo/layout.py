@@ -396,14 +396,6 @@ class ShardPart:
     chunk_sizes: dict[str, int]
     written: int = 0
     reused: int = 0
-    fingerprint: str | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaPrint:
-    """A replica a rank holds but did not write: only its fingerprint, for the replica check."""
-
-    fingerprint: str
 
 
 def build_manifest(metadata: Metadata, parts: dict[MetadataIndex, list[ShardPart]], *,

@@ -7,7 +7,7 @@ generation), brings the run's chunk index up to that generation, and only then h
 each chunk, skips those the store already holds and uploads the rest on the store's I/O
 pool. A pool smaller than the state stages in waves: when it is full, the uploads that
 free it must start, so the announcement happens then (staging cannot finish without it).
-Results are typed: one ``ShardPart`` per entry and a ``SaveStats``.
+Results: each entry's stored pieces (``save_plan.encode_results`` packs them) and a ``SaveStats``.
 """
 from __future__ import annotations
 
@@ -20,14 +20,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from . import catalog, replicas
 from .chunk_index import ChunkIndex, index_for
 from .chunks import ChunkLayout, chunk_id, layout_chunks
-from .layout import ReplicaPrint, RunStore, ShardPart, StoredPiece
-from .save_plan import Assignment
+from .layout import RunStore, StoredPiece
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
 
@@ -39,7 +37,6 @@ class Entry:
     flat: torch.Tensor  # uint8 view of the item's bytes (device may be cuda)
     ranges: list[tuple[int, int]]
     kind: str
-    fingerprint: str | None = None
     pieces: list[StoredPiece] = field(default_factory=list)
     written: int = 0
     reused: int = 0
@@ -95,13 +92,12 @@ class _Stored:
     new: bool
 
 
-def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | None,
-                 replica_check: str) -> tuple[list[Entry], list[WriteResult]]:
-    """The entries this rank writes, plus fingerprint-only results for the replicas it
-    holds but does not write (the coordinator compares them)."""
+def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[int, int]] | None]],
+                 checks: list[WriteItem], replica_check: str) -> tuple[list[Entry], bytes]:
+    """The entries this rank writes (``writes``: item and byte ranges, None for all of it),
+    and the packed fingerprints of the replicated items it holds (``checks``)."""
     entries: list[Entry] = []
-    prints: list[WriteResult] = []
-    for item in plan.items:
+    for item, ranges in writes:
         if item.type == WriteItemType.BYTE_IO:
             data = planner.resolve_data(item).getvalue()
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
@@ -109,26 +105,18 @@ def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | 
             entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
             continue
         flat = tensor_bytes(planner.resolve_data(item))
-        fp = None
-        if assignment is not None and item.index in assignment.replicated:
-            fp = replicas.fingerprint(flat, replica_check)
-        ranges = [(0, flat.numel())] if assignment is None else list(assignment.ranges.get(item.index, ()))
-        if ranges:
-            entries.append(Entry(item.index, flat, ranges, "tensor", fp))
-        elif fp is not None:
-            prints.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=ReplicaPrint(fp)))
-    return entries, prints
-
-
-def write_results(entries: list[Entry], sizes: dict[str, int]) -> list[WriteResult]:
-    """DCP's WriteResults, each carrying this rank's ShardPart of the item."""
-    out = []
-    for e in entries:
-        part = ShardPart(e.kind, e.flat.numel(), e.pieces, {p.chunk: sizes[p.chunk] for p in e.pieces},
-                         e.written, e.reused, e.fingerprint)
-        out.append(WriteResult(index=e.index, size_in_bytes=sum(p.length for p in e.pieces),
-                               storage_data=part))
-    return out
+        entries.append(Entry(item.index, flat, list(ranges) if ranges is not None else [(0, flat.numel())],
+                             "tensor"))
+    if replica_check == "off" or not checks:
+        return entries, b""
+    resolved = {e.index: e.flat for e in entries}
+    prints = []
+    for item in checks:
+        flat = resolved.get(item.index)
+        if flat is None:
+            flat = tensor_bytes(planner.resolve_data(item))
+        prints.append((replicas.item_key(item.index), replicas.fingerprint(flat, replica_check)))
+    return entries, replicas.pack(prints)
 
 
 class Upload:
