@@ -318,6 +318,13 @@ class TurboReader(StorageReader):
             prefetcher.close()
             copier.close()
 
+    def chain_batch(self, chains: ReadChains) -> RankBatch:
+        """This rank's parts of the read plan, as the read-once engine takes them."""
+        ids = list(self._chunk_sizes)
+        rows = np.frombuffer(chains.parts, dtype=np.int32).reshape(-1, 4).tolist()
+        parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt) for tid, step, prev, nxt in rows]
+        return RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
+
     def _load_chained(self, jobs: list[Job], chains: ReadChains, planner: LoadPlanner) -> None:
         """Chunks arrive from storage (this rank heads their chain) or from a peer, through
         the read-once engine; only the chunks this rank's items use are consumed."""
@@ -336,11 +343,7 @@ class TurboReader(StorageReader):
         into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()
         chunks = self.chunks
-        ids = list(self._chunk_sizes)
-        parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt)
-                 for tid, step, prev, nxt in _rows(chains.parts)]
-        batch = RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
-        engine = ReadOnce([batch], group=transport.group,
+        engine = ReadOnce([self.chain_batch(chains)], group=transport.group,
                           fetch=lambda cid: chunks.fetch_into(cid, into), into=into.get,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
@@ -365,11 +368,6 @@ def verify_mode(verify: bool | str) -> str:
     if verify is False:
         return "off"
     raise ValueError(f"verify must be True, False, 'storage' or 'all', got {verify!r}")
-
-
-def _rows(wire: bytes) -> list[list[int]]:
-    """ReadChains.parts as rows of four ints."""
-    return np.frombuffer(wire, dtype=np.int32).reshape(-1, 4).tolist()
 
 
 def _stored_dtype(manifest: Manifest, item: ReadItem) -> torch.dtype | None:

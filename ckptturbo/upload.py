@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -119,6 +119,22 @@ def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[
     return entries, replicas.pack(prints)
 
 
+def place(entries: list[Entry], stored: Iterable[tuple[ChunkLayout, str, bool]]) -> None:
+    """Record where each entry's bytes went: (layout, chunk id, newly written) per chunk."""
+    for layout, cid, new in stored:
+        owner = entries[layout.pieces[0].key]
+        if new:
+            owner.written += layout.nbytes
+        else:
+            owner.reused += layout.nbytes
+        offset = 0
+        for p in layout.pieces:
+            entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, cid, offset))
+            offset += p.nbytes
+    for entry in entries:
+        entry.pieces.sort(key=lambda p: p.start)
+
+
 class Upload:
     """One rank's part of one save; ``run`` may be called once."""
 
@@ -159,18 +175,7 @@ class Upload:
                 catalog.end_save(self.run_store, self.save_id, [self.rank])
             raise
         new = [s for s in stored if s.new]
-        for s in stored:
-            owner = entries[s.layout.pieces[0].key]
-            if s.new:
-                owner.written += s.layout.nbytes
-            else:
-                owner.reused += s.layout.nbytes
-            offset = 0
-            for p in s.layout.pieces:
-                entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, s.cid, offset))
-                offset += p.nbytes
-        for entry in entries:
-            entry.pieces.sort(key=lambda p: p.start)
+        place(entries, ((s.layout, s.cid, s.new) for s in stored))
         written = sum(s.layout.nbytes for s in new)
         done = time.monotonic()
         return SaveStats(bytes_staged=staged_bytes, bytes_written=written,
