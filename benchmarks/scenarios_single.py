@@ -216,7 +216,6 @@ def _stall_variant(rank: int, world: int, variant: str, size: int, workdir: str 
                    pool_bytes: int | None) -> dict[str, Any]:
     """One variant in a fresh process: two saves (first, then steady state after a step)."""
     import ckptturbo as ct
-    from ckptturbo import api
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -250,7 +249,7 @@ def _stall_variant(rank: int, world: int, variant: str, size: int, workdir: str 
                     summary = handle.wait()
                     durable = now() - t
                     out[f"{phase}_summary_seconds"] = summary.seconds
-                    writer = next(iter(api._writers.values()))
+                    writer = next(iter(ct.default_session()._writers.values()))
                     out["pool_bytes"] = writer._pool.capacity if writer._pool is not None else 0
                 elif variant == "TurboWriter (sync)":
                     if phase == "first":

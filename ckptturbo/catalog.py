@@ -30,26 +30,28 @@ deletes nothing while one exists and names it; ``ls`` lists the others and marks
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import posixpath
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
 from .layout import CONTROL_DIR, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
+from .session import pending_saves, url_key, wait_for_saves
 from .store import Store
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
 LOCK_WAIT = 600.0
 LOCK_POLL = 0.5
-
-_beats: dict[str, Heartbeat] = {}  # this process's pending markers, by path
-_beats_lock = threading.Lock()
 
 
 def _fresh(store: Store, path: str, now: float) -> bool:
@@ -67,9 +69,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
     """
     store = run.store
     path = run.pending_path(save_id, rank)
-    beat = Heartbeat(store, path, pending_lease(), rank=rank)
-    with _beats_lock:
-        _beats[path] = beat
+    store.session.keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
     deadline = time.monotonic() + wait
     while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
@@ -82,9 +82,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
     """This rank's uploads are done: renew its marker once more and stop the heartbeat.
     The marker now holds for one lease, in which the coordinator commits and removes it."""
-    with _beats_lock:
-        beat = _beats.pop(run.pending_path(save_id, rank), None)
-    if beat is not None:
+    for beat in run.store.session.take_heartbeats([run.pending_path(save_id, rank)]):
         beat.stop(final_beat=True)
 
 
@@ -92,10 +90,8 @@ def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
     """Remove the pending markers of these ranks of a save (absent ones are fine); a
     failure is only logged: it must not fail a committed save."""
     paths = [run.pending_path(save_id, rank) for rank in ranks]
-    with _beats_lock:
-        beats = [_beats.pop(p) for p in paths if p in _beats]
-    for beat in beats:  # stopped first: a late heartbeat must not bring a marker back
-        beat.stop()
+    for beat in run.store.session.take_heartbeats(paths):
+        beat.stop()  # first: a late heartbeat must not bring a marker back
     try:  # in parallel; every delete is attempted before the first failure is reported
         run.store.delete(paths)
     except CheckpointNotFound:
@@ -122,21 +118,22 @@ class CheckpointInfo:
     unique_bytes: int
     items: int
     error: str | None = None  # set (and the sizes 0) when the manifest is unreadable
+    pending: bool = False  # a save in flight in this process, not committed yet (wait=False)
 
 
-def _committed(run_url: str, storage_options: dict[str, Any] | None
+def _committed(run_url: str, storage_options: dict[str, Any] | None, session: Session | None
                ) -> Iterator[tuple[str, Manifest | FormatError]]:
     """(url, manifest) of every committed checkpoint directly under a run, each read once;
     an unreadable manifest comes as its FormatError. A checkpoint deleted between the
     listing and the read is skipped: it no longer exists."""
-    store = Store(run_url, storage_options)
+    store = Store(run_url, storage_options, session=session)
     for path in store.list_dirs(store.root):
         name = posixpath.basename(path)
         if name == CONTROL_DIR:
             continue
         url = f"{run_url.rstrip('/')}/{name}"
         try:
-            yield url, Location(url, storage_options).read_manifest()
+            yield url, Location(url, storage_options, session=session).read_manifest()
         except CheckpointNotFound:
             continue
         except FormatError as exc:
@@ -144,15 +141,20 @@ def _committed(run_url: str, storage_options: dict[str, Any] | None
 
 
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
-                     include_unreadable: bool = False) -> list[CheckpointInfo]:
+                     include_unreadable: bool = False, wait: bool = True,
+                     session: Session | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent.
 
     A checkpoint whose manifest cannot be read is logged as a warning and left out, or
     with ``include_unreadable`` listed first with ``error`` set: one bad manifest must
-    not hide the rest of the run.
+    not hide the rest of the run. Saves in flight in this process under the run are waited
+    for (read-your-writes); with ``wait=False`` they are listed last, ``pending=True``.
     """
+    pending = [] if wait else [h.url for h in pending_saves(run_url, under=True)]
+    if wait:
+        wait_for_saves(run_url, under=True)
     found, bad = [], []
-    for url, m in _committed(run_url, storage_options):
+    for url, m in _committed(run_url, storage_options, session):
         name = posixpath.basename(url)
         if isinstance(m, FormatError):
             log.warning("checkpoint %s is unreadable: %s", url, m)
@@ -160,18 +162,34 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
             continue
         found.append(CheckpointInfo(name, url, m.created, m.total_bytes, m.unique_bytes, len(m.items)))
     found.sort(key=lambda c: (c.created, c.name))
+    committed = {url_key(c.url) for c in found}
+    found += [CheckpointInfo(posixpath.basename(u.rstrip("/")), u, time.time(), 0, 0, 0, pending=True)
+              for u in pending if url_key(u) not in committed]
     return sorted(bad, key=lambda c: c.name) + found if include_unreadable else found
 
 
-def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> None:
+def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *,
+                      session: Session | None = None) -> None:
     """Remove the manifest (which makes the checkpoint cease to exist); chunks stay for gc.
-    An unreadable manifest is removed too (with a warning): that is how a run gets rid of it."""
-    location = Location(url, storage_options)
+
+    A save of it in flight in this process is waited for first, so it cannot commit after
+    the delete. An unreadable manifest is removed too (with a warning): that is how a run
+    gets rid of it. On a file system the checkpoint's directory goes too once it is empty,
+    also when it held no manifest (a save that never committed). A missing checkpoint
+    raises CheckpointNotFound.
+    """
+    wait_for_saves(url)
+    location = Location(url, storage_options, session=session)
     try:
-        location.read_manifest()
-    except FormatError as exc:
-        log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
-    location.store.delete([location.manifest_path])
+        try:
+            location.read_manifest()
+        except FormatError as exc:
+            log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
+        location.store.delete([location.manifest_path])
+    finally:
+        if location.store.is_local:
+            with contextlib.suppress(OSError):  # not empty (someone else's files): kept
+                os.rmdir(location.path)
 
 
 @dataclass
@@ -184,13 +202,14 @@ class GcReport:
 
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
-                    dry_run: bool = False, grace_seconds: float = 0.0) -> GcReport:
+                    dry_run: bool = False, grace_seconds: float = 0.0,
+                    session: Session | None = None) -> GcReport:
     """Delete chunks of the run's store that no committed checkpoint of the run names.
 
     Raises SaveInProgress while a save's marker holds its lease, and FormatError (deleting
     nothing) while a manifest of the run is unreadable: its chunks cannot be told apart.
     """
-    run = RunStore.for_run(run_url, storage_options)
+    run = RunStore.for_run(run_url, storage_options, session=session)
     store = run.store
     now = time.time()
     lock = None if dry_run else Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
@@ -203,7 +222,7 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
             store.put(run.gc_generation, uuid.uuid4().hex.encode())
         referenced: set[str] = set()
         unreadable = []
-        for url, manifest in _committed(run_url, storage_options):
+        for url, manifest in _committed(run_url, storage_options, session):
             if isinstance(manifest, FormatError):
                 unreadable.append(f"{url} ({manifest})")
             else:

@@ -1,23 +1,20 @@
-"""Which chunks a run's store already holds, kept per process across writers.
+"""Which chunks a run's store already holds, kept by the session across writers.
 
 The documented pattern builds a fresh ``TurboWriter`` for every ``dcp.save``; listing a
-large store for each of them would cost more than the save. So the index lives here, one
-per chunk store (keyed by its URL and options), and is relisted only when the store's gc
+large store for each of them would cost more than the save. So the session keeps one
+index per chunk store (keyed by its URL and options), relisted only when the store's gc
 generation changes (a gc may have deleted chunks; see ``catalog``). Chunks this process
-uploads are added as they land. The registry is bounded: the least recently used index
-is dropped (it is only a cache: a dropped index is relisted when needed).
+uploads are added as they land. The session's registry is bounded: the least recently
+used index is dropped (it is only a cache: a dropped index is relisted when needed).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 
 from .layout import RunStore
 
 log = logging.getLogger(__name__)
-
-MAX_STORES = 8
 
 
 class ChunkIndex:
@@ -54,18 +51,6 @@ class ChunkIndex:
             self._known.add(cid)
 
 
-_indexes: collections.OrderedDict[tuple[str, str], ChunkIndex] = collections.OrderedDict()
-_registry_lock = threading.Lock()
-
-
 def index_for(run: RunStore) -> ChunkIndex:
-    """The process-wide index of this run's chunk store (created empty, unlisted)."""
-    with _registry_lock:
-        index = _indexes.get(run.key)
-        if index is None:
-            index = _indexes[run.key] = ChunkIndex()
-            while len(_indexes) > MAX_STORES:
-                _indexes.popitem(last=False)
-        else:
-            _indexes.move_to_end(run.key)
-        return index
+    """The index of this run's chunk store kept by the session that writes to it."""
+    return run.store.session.chunk_index(run.key)

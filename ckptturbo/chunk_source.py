@@ -33,15 +33,20 @@ class ChunkSource:
         self._lock = threading.Lock()
 
     def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
-        """A chunk read from storage and verified. A damaged one is read again (up to
-        READS_OF_A_DAMAGED_OBJECT reads) before it is reported: a body corrupted in transit
-        reads right a later time, a chunk corrupted, truncated or deleted at rest does not."""
+        """A chunk read from storage and verified. From an object store, a damaged one is
+        read again (up to READS_OF_A_DAMAGED_OBJECT reads) before it is reported: a body
+        corrupted in transit reads right a later time, a chunk corrupted, truncated or
+        deleted at rest does not. A local file, or a chunk that is missing, has no transit
+        to blame: its first error is the report."""
         view = memoryview(bytearray(self.manifest.chunks[cid])) if out is None else out
-        for _ in range(READS_OF_A_DAMAGED_OBJECT - 1):
+        rereads = 0 if self.location.chunk_store.is_local else READS_OF_A_DAMAGED_OBJECT - 1
+        for _ in range(rereads):
             try:
                 self._read_checked(cid, view)
                 return view
             except IntegrityError as exc:
+                if isinstance(exc.__cause__, CheckpointNotFound):
+                    raise
                 log.warning("%s; reading it again in case it was damaged in transit", exc)
         self._read_checked(cid, view)  # the last read's error is the report
         return view

@@ -21,11 +21,11 @@ from datetime import datetime
 from typing import Any, Callable, Sequence
 
 from . import __version__
-from .catalog import collect_garbage, delete_checkpoint, list_checkpoints
-from .errors import CkptTurboError
-from .export import export_dcp, export_safetensors
+from .catalog import CheckpointInfo, collect_garbage, delete_checkpoint, list_checkpoints
+from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageError, names_preview
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
-from .layout import Location, Manifest, dtype_name
+from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
+from .store import Store
 
 log = logging.getLogger("ckptturbo.cli")
 
@@ -86,12 +86,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: se
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
 
 
-def names_preview(names: Sequence[str], limit: int = 5) -> str:
-    """A chunk packed with thousands of small tensors must not flood the terminal."""
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 def progress(total: int, desc: str) -> Any:
     """A byte progress bar on a terminal only, so logs and pipes stay clean."""
     from tqdm import tqdm
@@ -100,12 +94,63 @@ def progress(total: int, desc: str) -> Any:
                 disable=not sys.stderr.isatty())
 
 
+# --- what a URL holds ------------------------------------------------------------------
+
+def what_is_at(url: str, storage_options: dict[str, Any] | None) -> str:
+    """What a URL that is not what a command wants holds: "checkpoint" (a manifest),
+    "dcp" (a plain DCP checkpoint's .metadata), "run" (a chunk store), "missing" (nothing
+    stored there) or "other". A missing bucket raises CheckpointNotFound naming it."""
+    store = Store(url, storage_options)
+    store.check_reachable()
+    for name, kind in ((MANIFEST_NAME, "checkpoint"), (".metadata", "dcp"), (CONTROL_DIR, "run")):
+        if store.exists(store.join(store.root, name)):
+            return kind
+    return "other" if store.exists(store.root) else "missing"
+
+
+def missing(url: str) -> CheckpointNotFound:
+    hint = "" if "://" in url else f" (a local path; an object store needs its URL, e.g. s3://{url})"
+    return CheckpointNotFound(f"{url} does not exist{hint}")
+
+
+def read_manifest(url: str, storage_options: dict[str, Any] | None) -> Manifest:
+    """The manifest at ``url``, or an error that says what is there instead."""
+    try:
+        return Location(url, storage_options).read_manifest()
+    except CheckpointNotFound as exc:
+        kind = what_is_at(url, storage_options)
+        if kind == "missing":
+            raise missing(url) from exc
+        if kind == "run":
+            raise CheckpointNotFound(f"{url} is a run, not a checkpoint: `ckptturbo ls {url}` "
+                                     "lists its checkpoints") from exc
+        if kind == "dcp":
+            raise FormatError(f"{url} is a plain DCP checkpoint (torch.distributed.checkpoint's "
+                              ".metadata), not a ckptturbo one: read it with dcp.FileSystemReader") from exc
+        raise
+
+
 # --- ls ------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Committed checkpoints only: a directory without a manifest is a save that never finished.
-    An unreadable manifest is listed as such (and warned about) instead of hiding the rest."""
+    An unreadable manifest is listed as such (and warned about) instead of hiding the rest.
+    A URL that is no run fails (exit 2), so a script can tell a typo from an empty run; a
+    checkpoint given for its run is listed alone, with a note."""
     found = list_checkpoints(args.run, args.storage_options, include_unreadable=True)
+    kind = "run" if found else what_is_at(args.run, args.storage_options)
+    if kind == "missing":
+        raise missing(args.run)
+    if kind == "dcp":
+        raise FormatError(f"{args.run} is a plain DCP checkpoint (torch.distributed.checkpoint's "
+                          ".metadata), not a ckptturbo run")
+    if kind == "checkpoint":
+        url = args.run.rstrip("/")
+        m = read_manifest(url, args.storage_options)
+        found = [CheckpointInfo(url.rsplit("/", 1)[-1], url, m.created, m.total_bytes,
+                                m.unique_bytes, len(m.items))]
+        print(f"ckptturbo: {url} is a checkpoint, not a run; `ckptturbo ls "
+              f"{url.rsplit('/', 1)[0]}` lists its run", file=sys.stderr)
     if args.json:
         print(json.dumps([{"name": c.name, "url": c.url, "created": c.created,
                            "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
@@ -130,7 +175,7 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
     for fqn, item in sorted(manifest.items.items()):
         nbytes = sum(s.nbytes for s in item.shards)
         if item.kind == "tensor":
-            tensors.append({"name": fqn, "dtype": dtype_name(item.dtype), "shape": list(item.size),
+            tensors.append({"name": fqn, "dtype": item.dtype_name, "shape": list(item.size),
                             "bytes": nbytes, "shards": len(item.shards),
                             "chunks": len(item_chunks(item))})
         else:
@@ -146,7 +191,7 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Shapes and dtypes answer "what is in it"; the byte totals answer "what did it cost"."""
-    info = describe(args.ckpt, Location(args.ckpt, args.storage_options).read_manifest())
+    info = describe(args.ckpt, read_manifest(args.ckpt, args.storage_options))
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
@@ -174,7 +219,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every chunk: bit rot, a truncated upload or an over-eager cleanup shows here,
     not in the middle of a training restart."""
-    manifest = Location(args.ckpt, args.storage_options).read_manifest()
+    manifest = read_manifest(args.ckpt, args.storage_options)
     location = Location.for_manifest(args.ckpt, args.storage_options, manifest)
     bar, lock = progress(manifest.unique_bytes, "verify"), threading.Lock()
 
@@ -230,6 +275,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Other tools (inference servers, converters) read safetensors or plain DCP, not chunks."""
+    from .export import export_dcp, export_safetensors  # imports torch: only this command needs it
+
     if args.format == "safetensors":
         tensors, files = export_safetensors(args.ckpt, args.dest, args.storage_options,
                                             max_shard_size=args.max_shard_size)
@@ -249,9 +296,26 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """The fastest streams x request size depends on the store and the network; measure it."""
     from .stream.calibrate import calibrate
+    from .stream.profiles import save_profile
 
-    result = calibrate(args.calibrate, args.storage_options, streams=args.streams,
-                       chunk_sizes=args.chunk_sizes, sample_bytes=args.sample_size, save=args.save)
+    try:
+        result = calibrate(args.calibrate, args.storage_options, streams=args.streams,
+                           chunk_sizes=args.chunk_sizes, sample_bytes=args.sample_size)
+    except StorageError as exc:
+        if isinstance(exc.__cause__, IsADirectoryError):
+            raise CheckpointNotFound(f"{args.calibrate} is a directory without *.safetensors "
+                                     "files: give a file, or a directory holding some") from exc
+        raise
+    sampled, biggest = result["sample_bytes"], max(args.chunk_sizes)
+    if sampled < biggest:
+        raise FormatError(f"{result['object']} holds {sampled} bytes, less than one request of "
+                          f"{human(biggest)}: too small to tell the settings apart; calibrate on "
+                          "a file of at least --sample-size bytes (nothing was saved)")
+    if sampled < args.sample_size:
+        log.warning("%s holds %s, less than --sample-size %s: the timings are noisier",
+                    result["object"], human(sampled), human(args.sample_size))
+    if args.save:
+        result["saved_to"] = str(save_profile(result["endpoint"], result))
     print(f"calibrated {result['object']} ({human(result['sample_bytes'])} read per setting)")
     print_table(["STREAMS", "CHUNK", "GB/S"],
                 [[r["streams"], human(r["chunk_size"]), f"{r['gbps']:.3f}"] for r in result["results"]],
@@ -363,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     try:
         return args.func(args)
-    except CkptTurboError as exc:
+    except BrokenPipeError:
+        return _closed_pipe()
+    except (CkptTurboError, OSError) as exc:  # OSError: the local side (a path, a disk)
         log.debug("error details", exc_info=True)
         print(f"ckptturbo: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("ckptturbo: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return _closed_pipe()
 
 
 def _closed_pipe() -> int:

@@ -6,6 +6,8 @@ while the subclasses keep the cause machine-readable. Messages always name the o
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class CkptTurboError(Exception):
     """Root of every error raised by ckptturbo."""
@@ -55,8 +57,20 @@ class SaveInProgress(CkptTurboError):
     """A new save was started while the writer's previous save is not yet durable."""
 
 
+class UnsupportedStateError(CkptTurboError, TypeError):
+    """The state dict holds something that cannot be saved (a meta tensor, an object that
+    cannot be pickled)."""
+
+
 class ReplicaMismatchError(CkptTurboError):
     """Ranks that DCP treats as replicas of an item hold different bytes."""
+
+
+def names_preview(names: Sequence[str], limit: int = 8) -> str:
+    """The first ``limit`` names and how many more: a chunk packed with thousands of small
+    tensors must not turn one error or report line into a page."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 __all__ = [
@@ -72,4 +86,5 @@ __all__ = [
     "CommunicationError",
     "SaveInProgress",
     "ReplicaMismatchError",
+    "UnsupportedStateError",
 ]

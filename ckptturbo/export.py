@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -15,7 +16,7 @@ import torch
 
 from . import __version__
 from .api import load as ct_load
-from .errors import FormatError, StorageError
+from .errors import FormatError, StorageError, names_preview
 from .layout import Location, Manifest
 from .store import Store
 
@@ -100,21 +101,55 @@ def export_dcp(ckpt: str, dest: str, storage_options: dict[str, Any] | None = No
     """A plain DCP directory for tools that only know FileSystemReader; returns the number
     of items written.
 
-    Objects are pickles: loading them runs code from storage, so they are exported only
-    with ``allow_pickle``, mirroring TurboReader's switch.
+    Objects are pickles. Those torch's restricted unpickler loads (numbers, strings,
+    containers, tensors: an optimizer's step, lr, betas, eps) are exported as the reader
+    loads them by default; the others run code when unpickled, so they are exported only
+    with ``allow_pickle``, mirroring TurboReader's switch, and skipped (with one warning)
+    without it.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if "://" in dest and not dest.startswith("file://"):
         raise StorageError(f"--format dcp writes to a local directory, not {dest!r}")
+    target = dest.removeprefix("file://")
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot export to {target!r}: {exc.strerror or exc}") from exc
     manifest = Location(ckpt, storage_options).read_manifest()
-    names = sorted(n for n, i in manifest.items.items() if i.kind == "tensor" or allow_pickle)
-    for name in sorted(set(manifest.items) - set(names)):
-        log.warning("skipping object %r: pass --allow-pickle to export objects "
-                    "(only for checkpoints you trust)", name)
-    sd = load_plain(ckpt, storage_options, manifest, names, allow_pickle)
+    sd = _load_exportable(ckpt, storage_options, manifest, allow_pickle)
     with warnings.catch_warnings():
         # one process, no process group: DCP warns that it assumes so; an export means it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dest.removeprefix("file://")))
+        try:
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(target))
+        except (OSError, CheckpointException) as exc:
+            raise StorageError(f"cannot export to {target!r}: {exc}") from exc
     return len(sd)
+
+
+def _load_exportable(ckpt: str, storage_options: dict[str, Any] | None, manifest: Manifest,
+                     allow_pickle: bool) -> dict[str, Any]:
+    """Every item, but objects the restricted unpickler refuses when pickles are not allowed.
+
+    One load does it when every object is safe (the usual case); otherwise the objects are
+    tried one at a time to find those to skip."""
+    names = sorted(manifest.items)
+    try:
+        return load_plain(ckpt, storage_options, manifest, names, allow_pickle)
+    except FormatError:
+        if allow_pickle:
+            raise
+    objects = [n for n in names if manifest.items[n].kind == "bytes"]
+    sd = load_plain(ckpt, storage_options, manifest, [n for n in names if n not in objects])
+    refused = []
+    for name in objects:
+        try:
+            sd.update(load_plain(ckpt, storage_options, manifest, [name]))
+        except FormatError:
+            refused.append(name)
+    log.warning("skipped %d object(s) that torch's restricted unpickler refuses (%s): pass "
+                "--allow-pickle to export them (only for checkpoints you trust)", len(refused),
+                names_preview(refused))
+    return sd

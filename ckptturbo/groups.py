@@ -9,26 +9,25 @@ host buffers they were read into, on a group that carries host memory: the job's
 when it does (gloo, or the gloo side of "cpu:gloo,cuda:nccl"), else a gloo group over
 the same ranks. Saves always get a gloo group of their own, since checkpoint traffic must
 never interleave with the training loop's collectives (that is what makes DCP's own async
-save hang). Each such group is created once per (group, purpose) and kept, since creating
-one is a collective among its ranks.
+save hang). Each such group is created once per (group, purpose) and kept by the session,
+since creating one is a collective among its ranks.
 """
 from __future__ import annotations
 
 import datetime
-import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .retry import seconds_setting
 
+if TYPE_CHECKING:
+    from .session import Session
+
 TRANSPORTS = ("auto", "gloo")
 _HOST_BACKENDS = {"gloo", "mpi"}
-
-_dedicated: dict[tuple[Any, str], Any] = {}
-_lock = threading.Lock()
 
 
 def check_transport(transport: str) -> None:
@@ -57,40 +56,37 @@ def moves_cuda_tensors(backend: str) -> bool:
     return False
 
 
-def dedicated_gloo_group(group: Any = None, purpose: str = "save") -> Any:
-    """A gloo group over the ranks of ``group`` (default: the world), one per purpose.
-
-    Every rank of ``group`` must call it the first time, in the same order as its other
-    group creations; only those ranks take part. None outside torch.distributed. Its
-    collectives wait for a silent peer as long as the environment's
-    CKPTTURBO_COLLECTIVE_TIMEOUT says (seconds), else torch's default for new groups.
-    """
-    if not dist.is_initialized():
-        return None
-    key = (group or dist.group.WORLD, purpose)
-    with _lock:
-        if key not in _dedicated:
-            ranks = dist.get_process_group_ranks(key[0])
-            seconds = seconds_setting("COLLECTIVE_TIMEOUT", None, None, ValueError)
-            timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
-            _dedicated[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                                             use_local_synchronization=True)
-        return _dedicated[key]
+def new_gloo_group(group: Any) -> Any:
+    """A new gloo group over the ranks of ``group``; only those ranks take part, and each
+    must call this in the same order as its other group creations (sessions keep the
+    groups they make: see ``Session.gloo_group``). Its collectives wait for a silent peer
+    as long as the environment's CKPTTURBO_COLLECTIVE_TIMEOUT says (seconds), else
+    torch's default for new groups."""
+    seconds = seconds_setting("COLLECTIVE_TIMEOUT", None, None, ValueError)
+    timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                          timeout=timeout, use_local_synchronization=True)
 
 
-def host_transport_group(group: Any = None, transport: str = "auto", purpose: str = "load") -> Any:
+def host_transport_group(group: Any = None, transport: str = "auto", purpose: str = "load",
+                         session: Session | None = None) -> Any:
     """The group host buffers travel on for a job running on ``group``.
 
     "auto": the job's group itself when it carries CPU tensors (gloo, or a mixed
-    "cpu:gloo,cuda:nccl" group), else a dedicated gloo group over its ranks; "gloo": always
-    a dedicated gloo group, so chunks never share the training loop's group.
+    "cpu:gloo,cuda:nccl" group), else a dedicated gloo group over its ranks, kept by
+    ``session`` (default: the default session); "gloo": always a dedicated gloo group, so
+    chunks never share the training loop's group.
     """
     check_transport(transport)
     if not dist.is_initialized():
         return group
     if transport == "auto" and moves_host_buffers(dist.get_backend(group)):
         return group
-    return dedicated_gloo_group(group, purpose)
+    if session is None:
+        from .session import default_session
+
+        session = default_session()
+    return session.gloo_group(group, purpose)
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,8 @@ def transport_kind(backend: str, transport: str, cuda_bytes: int, total_bytes: i
     return "job" if moves_host_buffers(backend) else "gloo"
 
 
-def load_transport(group: Any, transport: str, cuda_bytes: int, total_bytes: int) -> Transport:
+def load_transport(group: Any, transport: str, cuda_bytes: int, total_bytes: int,
+                   session: Session | None = None) -> Transport:
     """The transport of a grouped load; every rank of ``group`` calls it with its own byte
     counts. Over an NCCL group the counts are summed first (one small all-reduce), so that
     every rank takes the same choice."""
@@ -132,4 +129,4 @@ def load_transport(group: Any, transport: str, cuda_bytes: int, total_bytes: int
     kind = transport_kind(backend, transport, cuda_bytes, total_bytes)
     if kind == "nccl":
         return Transport(kind, group, torch.device("cuda", torch.cuda.current_device()))
-    return Transport(kind, host_transport_group(group, transport), torch.device("cpu"))
+    return Transport(kind, host_transport_group(group, transport, session=session), torch.device("cpu"))

@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .chunks import chunk_id
-from .errors import CheckpointNotFound, IntegrityError
+from .errors import CheckpointNotFound, IntegrityError, names_preview
 from .layout import ItemRecord, Location, Manifest
 
-USERS_SHOWN = 20  # names listed in an error before "..."
 
 
 def item_chunks(item: ItemRecord) -> set[str]:
@@ -30,8 +29,11 @@ def chunk_users(manifest: Manifest) -> dict[str, list[str]]:
 
 
 def users_of(manifest: Manifest, cid: str) -> list[str]:
-    """The items one chunk holds bytes of (cheaper than ``chunk_users`` for one chunk)."""
-    return [fqn for fqn, item in sorted(manifest.items.items()) if cid in item_chunks(item)]
+    """The items one chunk holds bytes of (cheaper than ``chunk_users`` for one chunk), those
+    with the most bytes in it first: an error names only the first few."""
+    held = {fqn: sum(p.length for s in item.shards for p in s.pieces if p.chunk == cid)
+            for fqn, item in manifest.items.items() if cid in item_chunks(item)}
+    return sorted(held, key=lambda fqn: (-held[fqn], fqn))
 
 
 def chunk_problem(cid: str, data: bytes | bytearray | memoryview, size: int) -> str | None:
@@ -68,5 +70,5 @@ def damaged_chunk(location: Location, manifest: Manifest, url: str, cid: str,
     users = users_of(manifest, cid)
     return IntegrityError(
         f"chunk {location.chunk_path(cid)} is {problem}; "
-        f"it holds bytes of {', '.join(map(repr, users[:USERS_SHOWN]))}"
-        f"{' ...' if len(users) > USERS_SHOWN else ''} in checkpoint {url}")
+        f"it holds bytes of {names_preview([repr(u) for u in users])} "
+        f"in checkpoint {url}")

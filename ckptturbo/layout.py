@@ -21,22 +21,15 @@ import logging
 import posixpath
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .chunks import chunk_id, validate_chunk_id
 from .errors import CheckpointNotFound, FormatError, StorageError
 from .store import Store
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: `ls` and `inspect` need none
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT_NAME = "ckptturbo-manifest"
 FORMAT_VERSION = 2
@@ -57,7 +50,17 @@ GC_LOCK = f"{CONTROL_DIR}/gc.lock"
 GC_GENERATION = f"{CONTROL_DIR}/gc.generation"
 log = logging.getLogger(__name__)
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# Bytes per element of every dtype torch names, so a manifest is validated without importing
+# torch (tests/test_cli.py checks this table against torch's own dtypes).
+DTYPE_ITEMSIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
+    "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "qint8": 1, "quint8": 1, "qint32": 4,
+    "quint4x2": 1, "quint2x4": 1, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
+    "bits16": 2, "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1,
+    "float8_e4m3fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    **{f"{kind}{bits}": 1 for kind in ("uint", "int") for bits in range(1, 8)},
+}
 
 
 def chunk_relpath(cid: str) -> str:
@@ -89,14 +92,54 @@ class StoredPiece:
         return cls(start, length, validate_chunk_id(cid), offset)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: "torch.dtype | str") -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any) -> torch.dtype:
-    if not isinstance(name, str) or name not in _DTYPES:
+def parse_dtype(name: Any) -> "torch.dtype":
+    """The torch.dtype a manifest names (this imports torch)."""
+    import torch
+
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != name:
         raise FormatError(f"unknown dtype {name!r} in manifest")
-    return _DTYPES[name]
+    return dtype
+
+
+class _DtypeName(str):
+    """A dtype as a manifest names it, with its item size: enough to validate a manifest
+    and to show it, without torch. ``ItemRecord.dtype`` turns it into a torch.dtype."""
+
+    itemsize: int
+
+    @classmethod
+    def parse(cls, name: Any) -> "_DtypeName":
+        if not isinstance(name, str):
+            raise FormatError(f"unknown dtype {name!r} in manifest")
+        itemsize = DTYPE_ITEMSIZES.get(name)
+        if itemsize is None:  # a dtype newer than this table: ask torch itself
+            itemsize = parse_dtype(name).itemsize
+        out = cls(name)
+        out.itemsize = itemsize
+        return out
+
+
+class _LazyDtype:
+    """``ItemRecord.dtype``: kept as its name until first read, then a torch.dtype."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return None  # the dataclass default
+        value = obj.__dict__.get(self.attr)
+        if isinstance(value, str):
+            value = obj.__dict__[self.attr] = parse_dtype(value)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.attr] = value
 
 
 @dataclass
@@ -142,9 +185,15 @@ class ItemRecord:
 
     kind: str
     shards: list[ShardRecord]
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | None = _LazyDtype()  # type: ignore[assignment]
     size: tuple[int, ...] | None = None
     requires_grad: bool = False
+
+    @property
+    def dtype_name(self) -> str | None:
+        """The dtype's name ("bfloat16"), read without importing torch."""
+        value = self.__dict__.get("_dtype")
+        return None if value is None else dtype_name(value)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "shards": [s.to_json() for s in self.shards]}
@@ -165,7 +214,7 @@ class ItemRecord:
                 raise FormatError(f"object {fqn!r} must have exactly one shard")
             return cls("bytes", shards)
         size = tuple(_ints(raw.get("size"), fqn))
-        dtype = parse_dtype(raw.get("dtype"))
+        dtype = _DtypeName.parse(raw.get("dtype"))
         for s in shards:
             if len(s.offsets) != len(size) or len(s.sizes) != len(size):
                 raise FormatError(f"{fqn!r}: shard rank does not match tensor rank {len(size)}")
@@ -239,6 +288,11 @@ class Manifest:
 
     # --- DCP view
     def to_metadata(self) -> Metadata:
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+            TensorProperties, TensorStorageMetadata)
+
         sd_meta: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, ShardRecord] = {}
         for fqn, item in self.items.items():
@@ -278,9 +332,10 @@ class RunStore:
         self.gc_generation = store.join(self.root, GC_GENERATION)
 
     @classmethod
-    def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None) -> "RunStore":
+    def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None, *,
+                session: Any = None) -> "RunStore":
         """The chunk store of the run at ``run_url`` (the parent of its checkpoints)."""
-        store = Store(run_url, storage_options)
+        store = Store(run_url, storage_options, session=session)
         return cls(store, store.root)
 
     @property
@@ -299,10 +354,10 @@ class Location:
     """Where one checkpoint's manifest and its run's chunk store are."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 store_url: str | None = None) -> None:
+                 store_url: str | None = None, *, session: Any = None) -> None:
         self.url = str(url)
         self.storage_options = storage_options
-        self.store = Store(self.url, storage_options)
+        self.store = Store(self.url, storage_options, session=session)
         self.path = self.store.root
         parent = posixpath.dirname(self.path)
         if not parent or parent == self.path:
@@ -313,17 +368,17 @@ class Location:
             self.run = RunStore(self.store, parent)
             self.chunk_store_ref = ".."
         else:
-            self.run = RunStore.for_run(store_url, storage_options)
+            self.run = RunStore.for_run(store_url, storage_options, session=session)
             self.chunk_store_ref = str(store_url)
         self.chunk_store = self.run.store
         self.chunks_root = self.run.chunks_root
 
     @classmethod
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
-                     manifest: Manifest) -> "Location":
+                     manifest: Manifest, *, session: Any = None) -> "Location":
         """The location a committed manifest points at (its chunk store may be elsewhere)."""
         store_url = None if manifest.chunk_store == ".." else manifest.chunk_store
-        return cls(url, storage_options, store_url)
+        return cls(url, storage_options, store_url, session=session)
 
     def chunk_path(self, cid: str) -> str:
         return self.run.chunk_path(cid)
@@ -338,7 +393,8 @@ class Location:
         if info.size > MAX_MANIFEST_BYTES:
             raise FormatError(f"{self.url}/{MANIFEST_NAME} is {info.size} bytes; refusing to read")
         where = f"{self.url}/{MANIFEST_NAME}"
-        for _ in range(READS_OF_A_DAMAGED_OBJECT - 1):
+        rereads = 0 if self.store.is_local else READS_OF_A_DAMAGED_OBJECT - 1  # no transit locally
+        for _ in range(rereads):
             try:
                 return Manifest.from_bytes(self.store.get(self.manifest_path), where)
             except FormatError as exc:
@@ -424,6 +480,8 @@ class ShardPart:
 def build_manifest(metadata: Metadata, parts: dict[MetadataIndex, list[ShardPart]], *,
                    url: str, save_id: str, chunk_store_ref: str, world_size: int) -> Manifest:
     """The manifest of a save, from DCP's Metadata and what every rank stored (pure)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     chunks: dict[str, int] = {}
     items: dict[str, ItemRecord] = {}
     written = reused = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from array import array
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -35,7 +35,11 @@ from .layout import Location, Manifest, ShardRecord
 from .plan import ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
+from .session import wait_for_saves
 from .staging import DeviceCopier, as_uint8
+
+if TYPE_CHECKING:
+    from .session import Session
 
 
 class LocalReads(NamedTuple):
@@ -97,6 +101,11 @@ class TurboReader(StorageReader):
             ``torch.serialization.add_safe_globals`` allows) and hands the planner a fresh
             serialisation of what that produced, or refuses the object with ``FormatError``.
             True hands the stored bytes over unchecked.
+        session: the ``ckptturbo.Session`` whose I/O threads and gloo groups this reader
+            uses (default: the process's default session).
+
+    A save of the same checkpoint in flight in this process (any session) is waited for
+    before the manifest is read: a load sees what this process saved before it.
 
     Tensors are read in their stored dtype and copied into the destination, which casts
     (fp32 stored, bf16 target) exactly as DCP's ``FileSystemReader`` does.
@@ -115,7 +124,9 @@ class TurboReader(StorageReader):
         allow_pickle: bool = False,
         process_group: Any = None,
         transport: str = "auto",
+        session: Session | None = None,
     ) -> None:
+        self._session = session
         self.url = str(url)
         self.storage_options = storage_options
         self.verify = verify
@@ -140,7 +151,8 @@ class TurboReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_location=None, _source=None, process_group=None, transport_used=None)
+        state.update(_location=None, _source=None, _session=None, process_group=None,
+                     transport_used=None)
         return state
 
     # --- DCP StorageReader protocol -------------------------------------------------
@@ -179,8 +191,10 @@ class TurboReader(StorageReader):
 
     def read_manifest(self) -> Manifest:
         if self._manifest is None:
-            manifest = Location(self.url, self.storage_options).read_manifest()
-            self._location = Location.for_manifest(self.url, self.storage_options, manifest)
+            wait_for_saves(self.url)
+            manifest = Location(self.url, self.storage_options, session=self._session).read_manifest()
+            self._location = Location.for_manifest(self.url, self.storage_options, manifest,
+                                                   session=self._session)
             self._manifest = manifest
         return self._manifest
 
@@ -338,7 +352,7 @@ class TurboReader(StorageReader):
 
         cuda_bytes = sum(j.end - j.start for j in jobs if j.target is not None and j.target.is_cuda)
         transport = load_transport(self.process_group, self.transport, cuda_bytes,
-                                   sum(j.end - j.start for j in jobs))
+                                   sum(j.end - j.start for j in jobs), self._session)
         self.transport_used = transport
         into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()

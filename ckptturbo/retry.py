@@ -1,25 +1,43 @@
 """Bounded retries of storage requests: what is worth retrying, for how long, and when a
 store counts as down.
 
-Transient failures (5xx, throttling, connection resets, timeouts) are retried with
-exponential backoff and full jitter; permanent ones are mapped to ckptturbo's errors at
-once, so a wrong URL or bad credentials fail fast instead of after minutes of retries.
+What is retried is decided by the exception's type and the store's error code, never by
+words in a message (a ``KeyError('layer.500.weight')`` is not a server error):
+:func:`classify` sorts a failure into no answer (timeouts, refused or dropped
+connections), busy (5xx answers, throttling), refused credentials, not found, or
+permanent. The first two are retried with exponential backoff and full jitter; the others
+fail at once, so a wrong URL or bad credentials fail fast instead of after minutes.
 
-Nothing waits without a bound. Every call gives up retrying after ``deadline`` seconds
-(each attempt of a request to an object store is itself limited by ``request_timeout``,
-which :class:`~ckptturbo.store.Store` applies). When a call exhausts its retries without
-the store answering any request meanwhile, the store is taken to be down: for
-``outage_cooldown`` seconds the other calls on it fail at once instead of each waiting out
-its own deadline, so a save or load against a dead or partitioned store fails within one
-deadline, not once per chunk.
+**The bound.** Every call gives up after ``deadline`` seconds (default 110) in all: each
+attempt may take at most ``request_timeout`` seconds (default 60) *and* at most what is
+left of the deadline, and at most ``retries + 1`` attempts are made (with 1 s request
+timeouts, a call against a silent store gives up after about 12 s). A call that gives up
+because the store did not answer marks the store down: for ``outage_cooldown`` seconds
+every other call on it fails at once, and attempts already waiting are cancelled. So a save
+or load against a dead or partitioned store fails within one call's bound of the moment the
+store stopped answering, whichever path meets it first (the first request, the uploads in
+flight, the commit). A store that answers with errors while it serves other requests
+(throttling) is not marked down. While a call waits longer than ``PROGRESS_AFTER`` seconds a
+warning says so at least every ``PROGRESS_EVERY`` seconds, naming the request, how long it
+has waited, and the settings that change the bound. The per-attempt bound and the
+cancellation apply to object stores reached through asynchronous fsspec filesystems (s3,
+gcs, azure, http); local files are not retried for silence.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import errno
 import logging
 import os
 import random
+import ssl
+import sys
+import threading
 import time
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from enum import Enum
+from typing import Awaitable, Callable, TypeVar
 
 from .errors import CheckpointNotFound, StorageAuthError, StorageError
 
@@ -30,16 +48,172 @@ T = TypeVar("T")
 # (CKPTTURBO_REQUEST_TIMEOUT, CKPTTURBO_DEADLINE, CKPTTURBO_OUTAGE_COOLDOWN) for every
 # store a job opens, including those DCP's planners and background threads create.
 DEFAULT_REQUEST_TIMEOUT = 60.0
-DEFAULT_DEADLINE = 120.0
+DEFAULT_DEADLINE = 110.0  # with the set-up of a save around it, a dead store fails it within 2 min
 DEFAULT_OUTAGE_COOLDOWN = 30.0
-_TRANSIENT_MARKERS = (
-    "slowdown", "slow down", "throttl", "503", "500", "502", "504", "internalerror",
-    "serviceunavailable", "requesttimeout", "timed out", "timeout", "connection reset",
-    "connection aborted", "broken pipe", "server disconnected", "temporarily",
-)
-_AUTH_MARKERS = ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
-                 "signaturedoesnotmatch", "nocredentials", "unable to locate credentials",
-                 "expiredtoken", "invalidtoken")
+PROGRESS_AFTER = 5.0    # a call waiting this long is reported ...
+PROGRESS_EVERY = 9.5    # ... and again after this long (checked twice a second: <= 10 s apart)
+_POLL = 0.5             # how often a waiting attempt looks at the store's state
+_MIN_ATTEMPT = 0.05     # an attempt with less of the deadline left is not started
+
+
+class Failure(Enum):
+    """What a failed storage request means for the caller."""
+
+    NO_ANSWER = "no answer"    # timeout, connection refused, reset or dropped: retry
+    BUSY = "busy"              # the store answered 5xx or "slow down": retry
+    AUTH = "auth"              # credentials missing, wrong or not permitted: fail now
+    NOT_FOUND = "not found"    # no such object or bucket: fail now
+    PERMANENT = "permanent"    # anything else (a bad request, a bug, a value error): fail now
+
+    @property
+    def transient(self) -> bool:
+        return self in (Failure.NO_ANSWER, Failure.BUSY)
+
+
+# S3 error codes, as botocore's retry handler and s3torchconnector sort them.
+_BUSY_CODES = frozenset({
+    "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
+    "ThrottledException", "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
+    "RequestLimitExceeded", "BandwidthLimitExceeded", "ProvisionedThroughputExceededException",
+    "PriorRequestNotComplete", "TransactionInProgressException", "OperationAborted",
+    "XAmzContentSHA256Mismatch"})
+_NO_ANSWER_CODES = frozenset({"RequestTimeout", "RequestTimeoutException"})
+_AUTH_CODES = frozenset({
+    "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "ExpiredTokenException", "InvalidToken",
+    "TokenRefreshRequired", "InvalidSecurity", "NotSignedUp", "RequestTimeTooSkewed",
+    "UnrecognizedClientException", "Forbidden"})
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"})
+_BUSY_STATUS = frozenset({429, 500, 502, 503, 504})
+_NO_ANSWER_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "ETIMEDOUT", "EPIPE", "EHOSTUNREACH",
+    "ENETUNREACH", "ENETDOWN", "ENETRESET", "EHOSTDOWN") if hasattr(errno, name))
+# s3fs turns S3's InternalError into OSError(EREMOTEIO) and SlowDown/ServiceUnavailable into
+# OSError(EBUSY) (s3fs.errors); EAGAIN is "try again" wherever it comes from.
+_BUSY_ERRNOS = frozenset(getattr(errno, name) for name in ("EREMOTEIO", "EBUSY", "EAGAIN")
+                         if hasattr(errno, name))
+# Packages whose exceptions wrap the one that says what happened (their __cause__/__context__)
+_STORAGE_PACKAGES = frozenset({"botocore", "aiobotocore", "aiohttp", "urllib3", "requests",
+                               "fsspec", "s3fs", "gcsfs", "adlfs", "azure", "google"})
+# The one message still read: S3's InternalError text, for an s3fs OSError that arrives
+# without the botocore error it was made from (older s3fs releases raised it bare).
+_S3_INTERNAL_ERROR_TEXT = "we encountered an internal error"
+
+
+def classify(exc: BaseException) -> Failure:
+    """What a failed request means, from the exception's type and the store's error code.
+
+    The chain of causes is followed only through exceptions that wrap another (OSErrors,
+    which s3fs raises for botocore's errors, and exceptions of the storage client
+    packages), so a ``ValueError`` raised while handling a timeout is not a timeout.
+    """
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        if not _wraps(seen):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in chain):
+        return Failure.PERMANENT  # retrying cannot fix a certificate
+    for link in chain:
+        verdict = _classify_one(link)
+        if verdict is not None:
+            return verdict
+    if (type(exc) is OSError and exc.errno is None and exc.__cause__ is None
+            and _S3_INTERNAL_ERROR_TEXT in str(exc).lower()):
+        return Failure.BUSY
+    return Failure.PERMANENT
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: the store did not answer, or answered that it is busy."""
+    return classify(exc).transient
+
+
+def is_auth(exc: BaseException) -> bool:
+    return classify(exc) is Failure.AUTH
+
+
+def _wraps(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) or _package(exc) in _STORAGE_PACKAGES
+
+
+def _package(exc: BaseException) -> str:
+    return type(exc).__module__.split(".", 1)[0]
+
+
+def _classify_one(exc: BaseException) -> Failure | None:
+    """The verdict of one exception of a chain, or None when it does not say."""
+    response = getattr(exc, "response", None)
+    if _package(exc) == "botocore" and isinstance(response, dict):  # botocore's ClientError
+        error = response.get("Error") or {}
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return _from_code(str(error.get("Code") or ""), status if isinstance(status, int) else None)
+    if isinstance(exc, PermissionError):
+        return Failure.AUTH
+    if isinstance(exc, FileNotFoundError):
+        return Failure.NOT_FOUND
+    if isinstance(exc, (TimeoutError, ConnectionError)):  # also asyncio's and fsspec's timeouts
+        return Failure.NO_ANSWER
+    if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.errno in _NO_ANSWER_ERRNOS:
+            return Failure.NO_ANSWER
+        if exc.errno in _BUSY_ERRNOS:
+            return Failure.BUSY
+        return None  # an s3fs translation (EIO, EINVAL, ...): its cause may say more
+    return _from_client_library(exc)
+
+
+def _from_code(code: str, status: int | None) -> Failure:
+    if code in _AUTH_CODES or status in (401, 403):
+        return Failure.AUTH
+    if code in _NOT_FOUND_CODES or status == 404:
+        return Failure.NOT_FOUND
+    if code in _NO_ANSWER_CODES or status == 408:
+        return Failure.NO_ANSWER
+    if code in _BUSY_CODES or status in _BUSY_STATUS:
+        return Failure.BUSY
+    return Failure.PERMANENT
+
+
+def _from_client_library(exc: BaseException) -> Failure | None:
+    """Exception types of the HTTP stacks under fsspec's object stores. A module is looked
+    at only if it is imported: an exception of a package that was never imported cannot
+    be this one, and classifying must not import it."""
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        if isinstance(exc, (botocore.NoCredentialsError, botocore.PartialCredentialsError,
+                            botocore.CredentialRetrievalError, botocore.NoAuthTokenError,
+                            botocore.TokenRetrievalError, botocore.UnauthorizedSSOTokenError)):
+            return Failure.AUTH
+        if isinstance(exc, (botocore.ConnectionError, botocore.HTTPClientError,
+                            botocore.IncompleteReadError)):
+            return Failure.NO_ANSWER  # incl. connect/read timeouts and closed connections
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        if isinstance(exc, aiohttp.ClientResponseError):
+            return _from_code("", exc.status)
+        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+            return Failure.NO_ANSWER
+    urllib3 = sys.modules.get("urllib3.exceptions")
+    if urllib3 is not None and isinstance(exc, (urllib3.TimeoutError, urllib3.ProtocolError,
+                                                urllib3.NewConnectionError)):
+        return Failure.NO_ANSWER
+    requests = sys.modules.get("requests.exceptions")
+    if requests is not None:
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout,
+                            requests.ChunkedEncodingError)):
+            return Failure.NO_ANSWER
+        if isinstance(exc, requests.HTTPError) and exc.response is not None:
+            return _from_code("", exc.response.status_code)
+    # gcsfs's HttpError (.code) and azure-core's HttpResponseError (.status_code)
+    if _package(exc) in ("gcsfs", "azure", "google"):
+        for attr in ("status_code", "code"):
+            status = getattr(exc, attr, None)
+            if isinstance(status, int) and 400 <= status < 600:
+                return _from_code("", status)
+    return None
 
 
 def seconds_setting(name: str, given: float | None, default: float | None,
@@ -59,35 +233,16 @@ def seconds_setting(name: str, given: float | None, default: float | None,
     return value
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: timeouts, dropped connections, throttling and 5xx answers. s3fs
-    re-raises S3's answer as a bare ``OSError`` ("We encountered an internal error"), so the
-    exceptions it was raised from are looked at too."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return False
-        if _is_transient_one(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+@dataclass
+class _Call:
+    """One call in progress, for the attempts' bounds and the progress warnings."""
 
-
-def _is_transient_one(exc: BaseException) -> bool:
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    name = type(exc).__name__.lower()
-    if "timeout" in name or "connectionclosed" in name or "disconnected" in name:
-        return True
-    text = f"{name} {exc}".lower()
-    return any(m in text for m in _TRANSIENT_MARKERS)
-
-
-def is_auth(exc: BaseException) -> bool:
-    if isinstance(exc, PermissionError):
-        return True
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(m in text for m in _AUTH_MARKERS)
+    what: str
+    path: str
+    started: float
+    attempt_started: float
+    failures: int = 0
+    last_error: str = ""
 
 
 class RetryPolicy:
@@ -107,13 +262,32 @@ class RetryPolicy:
         self.outage_cooldown = seconds_setting("OUTAGE_COOLDOWN", outage_cooldown, DEFAULT_OUTAGE_COOLDOWN)
         self._last_success = time.monotonic()  # when a request last succeeded
         self._down_until = 0.0
+        self._down_reason = ""
+        self._calls: dict[int, _Call] = {}
+        self._lock = threading.Lock()
+        self._last_progress = 0.0
+        self._current = threading.local()  # the call this thread's attempt belongs to
 
     def call(self, what: str, path: str, fn: Callable[[], T]) -> T:
         """Run one storage request with retries, within ``deadline`` seconds in all."""
         started = time.monotonic()
+        call = _Call(what, path, started, started)
+        with self._lock:
+            self._calls[id(call)] = call
+        outer, self._current.call = getattr(self._current, "call", None), call
+        try:
+            return self._attempts(call, fn)
+        finally:
+            self._current.call = outer
+            with self._lock:
+                del self._calls[id(call)]
+
+    def _attempts(self, call: _Call, fn: Callable[[], T]) -> T:
+        what, path = call.what, call.path
         delay = self.backoff
         for attempt in range(self.retries + 1):
             self._refuse_while_down(what, path)
+            call.attempt_started = time.monotonic()
             try:
                 result = fn()
             except FileNotFoundError as exc:
@@ -122,38 +296,120 @@ class RetryPolicy:
             except (StorageError, CheckpointNotFound):
                 raise
             except Exception as exc:  # noqa: BLE001 - classified and re-raised as ours
-                if is_auth(exc):
+                kind = classify(exc)
+                if kind is Failure.AUTH:
                     raise StorageAuthError(
-                        f"{what}: access to {self.url_of(path)} was refused ({exc}); "
+                        f"{what}: access to {self.url_of(path)} was refused ({_cause(exc)}); "
                         "check the credentials in storage_options or the environment") from exc
-                sleep = random.uniform(0, delay)
-                elapsed = time.monotonic() - started
-                if not is_transient(exc):
+                if kind is Failure.NOT_FOUND:
+                    raise CheckpointNotFound(f"{what}: {self.url_of(path)} does not exist "
+                                             f"({_cause(exc)})") from exc
+                if not kind.transient:
                     raise self._failure(what, path, exc, "") from exc
-                if attempt == self.retries or elapsed + sleep > self.deadline:
-                    if self._last_success < started:  # nothing succeeded while we tried
-                        self._down_until = time.monotonic() + self.outage_cooldown
-                    raise self._failure(what, path, exc, f" after {attempt + 1} attempts "
-                                                         f"in {elapsed:.1f}s") from exc
-                log.warning("%s %s: transient %s (%s); retry %d/%d in %.2fs", what, path,
-                            type(exc).__name__, exc, attempt + 1, self.retries, sleep)
-                time.sleep(sleep)
+                sleep = random.uniform(0, delay)
+                elapsed = time.monotonic() - call.started
+                if attempt == self.retries or elapsed + sleep + _MIN_ATTEMPT > self.deadline:
+                    # the store did not answer, or answered nothing but errors meanwhile
+                    if kind is Failure.NO_ANSWER or self._last_success < call.started:
+                        self._mark_down(what, path, exc)
+                    raise self._failure(what, path, exc, f" after {attempt + 1} attempts in "
+                                        f"{elapsed:.1f}s{self._bounds()}") from exc
+                call.failures += 1
+                call.last_error = _cause(exc)
+                log.info("%s %s: %s; retry %d/%d in %.2fs", what, self.url_of(path),
+                         call.last_error, attempt + 1, self.retries, sleep)
+                self._pause(sleep)
                 delay = min(delay * 2, 10.0)
             else:
                 self._last_success = time.monotonic()
                 return result
         raise AssertionError("unreachable")
 
-    def _failure(self, what: str, path: str, exc: BaseException, tries: str) -> StorageError:
-        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, TimeoutError):
-            cause += f" (no answer within request_timeout={self.request_timeout:g}s)"
-        return StorageError(f"{what} {self.url_of(path)} failed{tries}: {cause}")
+    def run_async(self, loop: asyncio.AbstractEventLoop, coro: Awaitable[T]) -> T:
+        """Run one attempt (a coroutine of an async fsspec filesystem) on its event loop,
+        within ``request_timeout`` and what is left of its call's deadline. The attempt is
+        cancelled as soon as another call finds the store down; while it waits, it reports
+        progress (see the module docstring)."""
+        call: _Call | None = getattr(self._current, "call", None)
+        timeout = self.request_timeout
+        if call is not None:
+            timeout = min(timeout, self.deadline - (time.monotonic() - call.started))
+        timeout = max(timeout, _MIN_ATTEMPT)
+        future = asyncio.run_coroutine_threadsafe(_within(coro, timeout), loop)
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=_POLL)
+            if done:
+                return future.result()
+            if time.monotonic() < self._down_until:
+                future.cancel()
+                raise self._down_error(call.what if call else "request", call.path if call else "")
+            self._report_progress()
+
+    # --- the outage state and progress reports
+    def _mark_down(self, what: str, path: str, exc: BaseException) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.outage_cooldown
+            self._down_reason = f"{what} {self.url_of(path)} got no usable answer ({_cause(exc)})"
 
     def _refuse_while_down(self, what: str, path: str) -> None:
         """Fail at once while a recent call found the store unreachable (see module doc)."""
         if time.monotonic() < self._down_until:
-            raise StorageError(
-                f"{what} {self.url_of(path)} not attempted: {self.url} did not answer any "
-                f"request for {self.deadline:g}s (deadline) and is treated as down; "
-                f"retrying after {self.outage_cooldown:g}s")
+            raise self._down_error(what, path)
+
+    def _down_error(self, what: str, path: str) -> StorageError:
+        return StorageError(
+            f"{what} {self.url_of(path)} not completed: {self.url} is treated as down for "
+            f"{self.outage_cooldown:g}s (outage_cooldown) because {self._down_reason}"
+            f"{self._bounds()}")
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep before a retry; cut short when the store is found down meanwhile."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and time.monotonic() >= self._down_until:
+            time.sleep(min(left, _POLL))
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """One warning per store at most every PROGRESS_EVERY seconds, while a call has
+        waited longer than PROGRESS_AFTER: what it waits for, how long, and the bounds."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_progress < PROGRESS_EVERY or not self._calls:
+                return
+            oldest = min(self._calls.values(), key=lambda c: c.started)
+            waited = now - oldest.started
+            if waited < PROGRESS_AFTER:
+                return
+            self._last_progress = now
+            waiting = sum(now - c.started >= PROGRESS_AFTER for c in self._calls.values())
+        failed = (f"{oldest.failures} attempt(s) failed, last: {oldest.last_error}"
+                  if oldest.failures else "no answer yet")
+        log.warning("waiting for %s: %d request(s) waiting, the oldest (%s %s) for %.0fs, %s; "
+                    "giving up within %.0fs of its start%s", self.url, waiting, oldest.what,
+                    self.url_of(oldest.path), waited, failed, self.call_bound, self._bounds())
+
+    @property
+    def call_bound(self) -> float:
+        """The longest one call may take against a silent store: ``retries + 1`` attempts of
+        at most ``request_timeout`` and the backoff between them, never more than ``deadline``."""
+        sleeps = sum(min(self.backoff * 2 ** i, 10.0) for i in range(self.retries))
+        return min(self.deadline, (self.retries + 1) * self.request_timeout + sleeps)
+
+    def _bounds(self) -> str:
+        return (f" (bounds: request_timeout={self.request_timeout:g}s per attempt, "
+                f"deadline={self.deadline:g}s per request; set CKPTTURBO_REQUEST_TIMEOUT / "
+                "CKPTTURBO_DEADLINE to change them)")
+
+    def _failure(self, what: str, path: str, exc: BaseException, tries: str) -> StorageError:
+        return StorageError(f"{what} {self.url_of(path)} failed{tries}: {_cause(exc)}")
+
+
+async def _within(coro: Awaitable[T], timeout: float) -> T:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no answer within {timeout:.3g}s") from None
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

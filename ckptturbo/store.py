@@ -15,11 +15,10 @@ where socket read timeouts never fire.
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -27,6 +26,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointNotFound, ShortReadError, StorageError
 from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from .session import Session
 
 T = TypeVar("T")
 
@@ -67,7 +69,9 @@ class Store:
         request_timeout: float | None = None,
         deadline: float | None = None,
         outage_cooldown: float | None = None,
+        session: Session | None = None,
     ) -> None:
+        self._session = session
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
         self.multipart_threshold = multipart_threshold
@@ -90,13 +94,13 @@ class Store:
         self.protocol = protocol
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = self.root.rstrip("/") or "/"
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self.endpoint = (protocol, repr(sorted(self.storage_options.items())))
         self.policy = RetryPolicy(self.url, self.url_of, retries=retries, backoff=backoff,
                                   request_timeout=request_timeout, deadline=deadline,
                                   outage_cooldown=outage_cooldown)
 
-    # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and pools stay behind
+    # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and the session stay
+    # behind (the other process uses its own default session)
     def __getstate__(self) -> dict[str, Any]:
         policy = self.policy
         return {"url": self.url, "storage_options": self.storage_options,
@@ -131,11 +135,18 @@ class Store:
 
     # --- execution helpers
     @property
+    def session(self) -> Session:
+        """The session that owns this store's I/O threads (the default one unless given)."""
+        if self._session is None:
+            from .session import default_session
+
+            self._session = default_session()
+        return self._session
+
+    @property
     def pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="ckptturbo-io")
-            return self._pool
+        """The I/O threads of this endpoint, shared by every store of the session on it."""
+        return self.session.executor(self.endpoint, self.max_workers)
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         return self.pool.submit(fn, *args, **kwargs)
@@ -153,17 +164,12 @@ class Store:
             raise first_error
         return results
 
-    def close(self) -> None:
-        with self._pool_lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
     def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call an fsspec method; on async filesystems (s3, gcs) bounded by request_timeout,
-        which cancels the request itself rather than abandoning a thread to it."""
+        """Call an fsspec method; on async filesystems (s3, gcs) its coroutine runs bounded
+        by the policy (request_timeout and the call's deadline), which cancels the request
+        itself rather than abandoning a thread to it."""
         if isinstance(self.fs, AsyncFileSystem):
-            kwargs["timeout"] = self.policy.request_timeout
+            return self.policy.run_async(self.fs.loop, getattr(self.fs, f"_{method}")(*args, **kwargs))
         return getattr(self.fs, method)(*args, **kwargs)
 
     # --- writes

@@ -12,6 +12,7 @@ Results: each entry's stored pieces (``save_plan.encode_results`` packs them) an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from . import catalog, replicas
+from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex, index_for
 from .chunks import ChunkLayout, chunk_id, layout_chunks
 from .layout import RunStore, StoredPiece
@@ -93,18 +95,23 @@ class _Stored:
 
 
 def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[int, int]] | None]],
-                 checks: list[WriteItem], replica_check: str) -> tuple[list[Entry], bytes]:
+                 checks: list[WriteItem], replica_check: str, url: str) -> tuple[list[Entry], bytes]:
     """The entries this rank writes (``writes``: item and byte ranges, None for all of it),
-    and the packed fingerprints of the replicated items it holds (``checks``)."""
+    and the packed fingerprints of the replicated items it holds (``checks``). What cannot
+    be saved (an object pickle refuses, a meta tensor) is an UnsupportedStateError naming it."""
     entries: list[Entry] = []
     for item, ranges in writes:
         if item.type == WriteItemType.BYTE_IO:
-            data = planner.resolve_data(item).getvalue()
+            try:
+                data = planner.resolve_data(item).getvalue()
+            except Exception as exc:  # noqa: BLE001 - whatever pickling raised, named below
+                raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: the object "
+                                            f"cannot be serialised ({type(exc).__name__}: {exc})") from exc
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
                 torch.empty(0, dtype=torch.uint8)
             entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
             continue
-        flat = tensor_bytes(planner.resolve_data(item))
+        flat = _tensor_bytes(planner, item, url)
         entries.append(Entry(item.index, flat, list(ranges) if ranges is not None else [(0, flat.numel())],
                              "tensor"))
     if replica_check == "off" or not checks:
@@ -114,9 +121,17 @@ def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[
     for item in checks:
         flat = resolved.get(item.index)
         if flat is None:
-            flat = tensor_bytes(planner.resolve_data(item))
+            flat = _tensor_bytes(planner, item, url)
         prints.append((replicas.item_key(item.index), replicas.fingerprint(flat, replica_check)))
     return entries, replicas.pack(prints)
+
+
+def _tensor_bytes(planner: SavePlanner, item: WriteItem, url: str) -> torch.Tensor:
+    tensor = planner.resolve_data(item)
+    if tensor.is_meta:
+        raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: it is a meta "
+                                    "tensor, which holds no data (materialise it first)")
+    return tensor_bytes(tensor)
 
 
 def place(entries: list[Entry], stored: Iterable[tuple[ChunkLayout, str, bool]]) -> None:
@@ -138,11 +153,11 @@ def place(entries: list[Entry], stored: Iterable[tuple[ChunkLayout, str, bool]])
 class Upload:
     """One rank's part of one save; ``run`` may be called once."""
 
-    def __init__(self, run: RunStore, save_id: str, rank: int, *,
+    def __init__(self, run_for: Callable[[], RunStore], save_id: str, rank: int, *,
                  pool_for: Callable[[int], HostBufferPool], copier: DeviceCopier,
                  chunk_size: int, pack_threshold: int, snapshot: bool,
                  on_staged: Callable[[], None] | None = None) -> None:
-        self.run_store = run
+        self._run_for = run_for
         self.save_id = save_id
         self.rank = rank
         self.pool_for = pool_for
@@ -156,6 +171,11 @@ class Upload:
         self._inflight: dict[str, Future] = {}
         self._waiting: list[_Staged] = []  # staged, not yet handed to the I/O pool
         self._futures: list[tuple[ChunkLayout, Future]] = []
+
+    @functools.cached_property
+    def run_store(self) -> RunStore:
+        """The run's chunk store, opened on first use: after staging, off the stall."""
+        return self._run_for()
 
     def run(self, entries: list[Entry]) -> SaveStats:
         """Stage, announce, then hash/dedup/upload every chunk; fills each entry's pieces."""

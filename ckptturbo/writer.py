@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
@@ -33,6 +33,9 @@ from .layout import Location, build_manifest
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
 from .upload import SaveStats, Upload, plan_entries, stage_state_dict
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,11 @@ class TurboWriter(StorageWriter, AsyncStager):
             blocks the caller, so reading CPU tensors in place is safe there).
         overwrite: as DCP's ``FileSystemWriter``: True (default) replaces a committed
             checkpoint at the URL (atomically: its manifest is swapped last); False makes a
-            save to a URL that has one raise ``CheckpointExists`` before anything is staged
-            or uploaded, leaving it untouched.
+            save to a URL that has one raise ``CheckpointExists`` ("Checkpoint already
+            exists ...", DCP's wording) before anything is staged or uploaded, leaving it
+            untouched.
+        session: the ``ckptturbo.Session`` whose I/O threads and caches this writer uses
+            (default: the process's default session).
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         on_replica_mismatch: str = "warn",
         snapshot: bool = False,
         overwrite: bool = True,
+        session: Session | None = None,
     ) -> None:
         if replica_check not in replicas.MODES:
             raise ValueError("replica_check must be 'sample', 'full' or 'off'")
@@ -98,6 +105,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         self.on_staged: Callable[[], None] | None = None
         self.last_stats = SaveStats()
         self.plan_cache_hits = 0
+        self._session = session
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -116,12 +124,14 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._session = None  # the unpickling process's default session
         self._init_runtime()
 
     @property
     def location(self) -> Location:
         if self._location is None or self._location.url != self.url:
-            self._location = Location(self.url, self.storage_options, self.store_url)
+            self._location = Location(self.url, self.storage_options, self.store_url,
+                                      session=self._session)
         return self._location
 
     def _ensure_pool(self, share: int) -> HostBufferPool:
@@ -158,8 +168,8 @@ class TurboWriter(StorageWriter, AsyncStager):
             return
         location = self.location
         if location.store.exists(location.manifest_path):
-            raise CheckpointExists(f"a committed checkpoint already exists at {self.url!r} and "
-                                   "overwrite=False; it was left untouched")
+            raise CheckpointExists(f"Checkpoint already exists at {self.url!r} and overwrite=False "
+                                   "(a committed ckptturbo checkpoint); it was left untouched")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # As FileSystemWriter, before any planning result is exchanged; one rank asks
@@ -212,8 +222,10 @@ class TurboWriter(StorageWriter, AsyncStager):
             else:
                 items = save_plan.held_items(assignment, self._held)
                 writes, checks = assignment.writes(items), assignment.replicated_items(items)
-            entries, prints = plan_entries(planner, writes, checks, self.replica_check)
-            upload = Upload(self.location.run, marker,
+            entries, prints = plan_entries(planner, writes, checks, self.replica_check, self.url)
+            # the store is opened only after staging: its first opening (client, imports)
+            # must not lengthen the stall
+            upload = Upload(lambda: self.location.run, marker,
                             self.rank, pool_for=self._ensure_pool, copier=self._copier,
                             chunk_size=self.chunk_size, pack_threshold=self.pack_threshold,
                             snapshot=self.snapshot, on_staged=self.on_staged)
@@ -270,10 +282,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         """Nothing to do: stage() returns only once its copies are complete."""
 
     def close(self) -> None:
-        """Stop the I/O threads and drop the host pool (a later save makes new ones)."""
-        if self._location is not None:
-            self._location.store.close()
-            self._location.chunk_store.close()
+        """Drop the host pool (a later save makes a new one); I/O threads are the session's."""
         self._pool = None
 
 

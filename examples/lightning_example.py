@@ -2,7 +2,9 @@
 
 The only change to a Lightning script is ``plugins=[TurboCheckpointIO()]``: checkpoints are
 async (training goes on once they are in host memory), deduplicated across the
-checkpoints of one dirpath, and ``fit(ckpt_path=...)`` resumes from them.
+checkpoints of one dirpath, and ``fit(ckpt_path=...)`` resumes from them. Outside a
+Trainer, ``load_from_checkpoint(Regressor, path)`` stands in for
+``Regressor.load_from_checkpoint(path)``, which reads only torch files.
 """
 import argparse
 
@@ -11,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from ckptturbo.integrations.lightning import TurboCheckpointIO
+from ckptturbo.integrations.lightning import TurboCheckpointIO, load_from_checkpoint
 
 
 class Regressor(pl.LightningModule):
@@ -43,6 +45,8 @@ def main() -> None:
                          plugins=[TurboCheckpointIO()], logger=False, enable_checkpointing=False)
     resumed.fit(Regressor(), data, ckpt_path=trainer.checkpoint_callback.best_model_path)
     print("resumed at global step", resumed.global_step)
+    model = load_from_checkpoint(Regressor, trainer.checkpoint_callback.best_model_path)  # no Trainer
+    print("loaded for inference:", type(model).__name__, model.net[0].weight.shape)
 
 
 if __name__ == "__main__":

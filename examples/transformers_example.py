@@ -38,6 +38,7 @@ def main() -> None:
     args = p.parse_args()
     trainer(args.url, args.cuda, 10).train()
     trainer(args.url, args.cuda, 15).train(resume_from_checkpoint=True)  # newest ckptturbo checkpoint
+    # save_total_limit=2 holds across the resume: checkpoint-10 and checkpoint-15 are left
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
   (Lightning saves on global rank 0 only, while the other ranks train on). It loads back
   with ``ct.load_state_dict``.
 * ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
+* ``ckptturbo_errors``: around an adapter's public method, lets only ckptturbo's errors out.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
 from ckptturbo import catalog
+from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
 from ckptturbo.tree import flatten
 
 log = logging.getLogger(__name__)
@@ -31,44 +33,57 @@ def _flat_planner() -> DefaultSavePlanner:
     return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
+def _session(session: ct.Session | None) -> ct.Session:
+    return session if session is not None else ct.default_session()
+
+
 def save_tree(state: Mapping[str, Any], url: str, *, storage_options: dict[str, Any] | None = None,
-              collective: bool = True, process_group: Any = None,
+              collective: bool = True, process_group: Any = None, session: ct.Session | None = None,
               **writer_options: Any) -> ct.SaveHandle:
     """Start an async save of a nested dict; returns a handle with ``staged``/``durable``.
 
     collective=True: every rank of ``process_group`` calls it (``ct.save``). False: this
-    process alone saves, whatever the process group is doing.
+    process alone saves, whatever the process group is doing. ``session``: the
+    ``ckptturbo.Session`` that owns the save (default: the process's default session).
     """
-    return ct.save(flatten(state), str(url), process_group=process_group, collective=collective,
-                   storage_options=storage_options, planner=_flat_planner(), **writer_options)
+    return _session(session).save(flatten(state), str(url), process_group=process_group,
+                                  collective=collective, storage_options=storage_options,
+                                  planner=_flat_planner(), **writer_options)
 
 
-def exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether a committed checkpoint is at ``url`` (its manifest exists)."""
+def exists(url: str, storage_options: dict[str, Any] | None = None, *,
+           session: ct.Session | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for)."""
+    return _session(session).exists(str(url), storage_options=storage_options)
+
+
+def remove(url: str, storage_options: dict[str, Any] | None = None, *,
+           session: ct.Session | None = None) -> None:
+    """Make a checkpoint cease to exist (its manifest goes; chunks wait for gc); a save of
+    it in flight is waited for first, and a missing one is left as it is."""
     try:
-        ct.TurboReader(str(url), storage_options).read_manifest()
+        _session(session).delete(str(url), storage_options=storage_options)
     except ct.CheckpointNotFound:
-        return False
-    return True
+        log.debug("%s: nothing to remove", url)
 
 
-def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Make a checkpoint cease to exist (its manifest goes; chunks wait for gc)."""
-    ct.delete(str(url), storage_options=storage_options)
+def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
+                     wait: bool = True, session: ct.Session | None = None) -> list[Any]:
+    """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``);
+    saves in flight in this process under the run are waited for, or with ``wait=False``
+    listed last with ``pending=True``."""
+    return _session(session).list_checkpoints(str(run_url), storage_options=storage_options,
+                                              wait=wait)
 
 
-def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None) -> list[Any]:
-    """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``)."""
-    return catalog.list_checkpoints(str(run_url), storage_options)
-
-
-def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> bool:
+def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
+                    session: ct.Session | None = None) -> bool:
     """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
 
     With ``list_checkpoints``, the only places adapters reach the catalog.
     """
     try:
-        catalog.collect_garbage(str(run_url), storage_options)
+        catalog.collect_garbage(str(run_url), storage_options, session=session)
     except ct.SaveInProgress as exc:
         log.info("gc of %s postponed: %s", run_url, exc)
         return False
@@ -82,8 +97,10 @@ class DeferredGC:
     was given; a run it could not collect is retried by the next ``schedule`` or ``finish``.
     """
 
-    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, storage_options: dict[str, Any] | None = None, *,
+                 session: ct.Session | None = None) -> None:
         self.storage_options = storage_options
+        self.session = session
         self._runs: set[str] = set()
         self._thread: threading.Thread | None = None
 
@@ -102,7 +119,7 @@ class DeferredGC:
             except Exception:  # noqa: BLE001 - the handle's owner reports it
                 pass
         for url in sorted(self._runs):
-            if collect_garbage(url, self.storage_options):
+            if collect_garbage(url, self.storage_options, session=self.session):
                 self._runs.discard(url)
 
     def finish(self) -> None:

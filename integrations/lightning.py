@@ -3,7 +3,8 @@
 Lightning calls ``CheckpointIO.save_checkpoint`` on global rank 0 only, so the save runs in
 this process alone (no collective) and returns once the checkpoint dict is copied to host
 memory; hashing, upload and the manifest commit run behind training. A failed save is
-raised by the next ``save_checkpoint`` or by ``teardown()``. Each ``.ckpt`` path becomes a
+raised by the next ``save_checkpoint`` or by ``teardown()``, which also closes the plugin's
+own ``ckptturbo.Session`` (no thread is left). Each ``.ckpt`` path becomes a
 ckptturbo checkpoint directory; checkpoints of one ``dirpath`` share its chunk store, so
 unchanged tensors are written once. ``load_checkpoint`` needs no template: it rebuilds
 Lightning's whole dict from the manifest, and when every rank loads (``fit(ckpt_path=...)``)
@@ -11,19 +12,32 @@ storage is read once and forwarded between ranks.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
 from typing import Any
 
+import fsspec
 import torch
-from lightning.pytorch.plugins import CheckpointIO
+from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
 from ckptturbo.tree import SKELETON_KEY, flatten
 
-from ._core import DeferredGC, remove, run_of, save_tree
+from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
+
+log = logging.getLogger(__name__)
 
 
-class TurboCheckpointIO(CheckpointIO):
+class TurboCheckpointIO(TorchCheckpointIO):
     """CheckpointIO writing ckptturbo checkpoints to a local path or any fsspec URL (``s3://``).
+
+    A drop-in for Lightning's default ``TorchCheckpointIO`` (hence a subclass of it), keeping
+    its contract: removing a missing path does nothing, a plain torch ``.ckpt`` file (written
+    before the plugin was added) still loads and can be removed, and the plugin accepts
+    ``storage_options``. Only ckptturbo errors leave its methods (the original as
+    ``__cause__``).
 
     Args:
         storage_options: fsspec options for the checkpoint location (endpoint, keys, ...);
@@ -43,8 +57,18 @@ class TurboCheckpointIO(CheckpointIO):
         self.grouped_load = grouped_load
         self.gc = gc
         self.writer_options = writer_options
-        self._handles: list[Any] = []
-        self._gc = DeferredGC(storage_options)
+        self._handles: list[ct.SaveHandle] = []
+        self._session: ct.Session | None = None
+        self._gc: DeferredGC | None = None
+
+    @property
+    def session(self) -> ct.Session:
+        """The plugin's own session, made on first use (so a new plugin stays picklable, as
+        ``ddp_spawn`` needs); ``teardown`` closes it and the next use starts it again."""
+        if self._session is None:
+            self._session = ct.Session()
+            self._gc = DeferredGC(self.storage_options, session=self._session)
+        return self._session
 
     def _options(self, extra: Any = None) -> dict[str, Any] | None:
         if not extra:
@@ -52,27 +76,58 @@ class TurboCheckpointIO(CheckpointIO):
         return {**(self.storage_options or {}), **dict(extra)}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        """Return once ``checkpoint`` is staged in host memory; the upload continues behind."""
-        self._raise_failed()
-        handle = save_tree(checkpoint, str(path), storage_options=self._options(storage_options),
-                           collective=False, **self.writer_options)
-        self._handles.append(handle)
-        handle.staged.result()
+        """Return once ``checkpoint`` is staged in host memory; the upload continues behind.
+
+        On a local disk the checkpoint's directory exists when this returns, as a file
+        written by ``TorchCheckpointIO`` would: ``ModelCheckpoint`` probes names with its own
+        filesystem (collision check, HPC numbering). Without its manifest the directory is
+        not a checkpoint to ckptturbo; a failed save removes it again.
+        """
+        url = str(path)
+        with ckptturbo_errors("saving", url):
+            self._raise_failed()
+            reserved = _reserve(url)
+            handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
+                               collective=False, session=self.session, **self.writer_options)
+            if reserved:
+                handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
+            self._handles.append(handle)
+            handle.staged.result()
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False."""
-        self._wait(raise_errors=False)
-        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        return ct.load_state_dict(str(path), storage_options=self.storage_options,
-                                  grouped=self.grouped_load, device=device,
-                                  allow_pickle=weights_only is False)
+        """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False.
+
+        A save of ``path`` in flight anywhere in this process (another Trainer's too) is
+        waited for. A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it
+        (``torch.load`` with the same ``map_location`` and ``weights_only``).
+        """
+        url = str(path)
+        with ckptturbo_errors("loading", url):
+            fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+            if fs.isfile(fs_path):
+                with fs.open(fs_path, "rb") as f:
+                    return torch.load(f, map_location=map_location, weights_only=weights_only)
+            device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+            return self.session.load_state_dict(url, storage_options=self.storage_options,
+                                                grouped=self.grouped_load, device=device,
+                                                allow_pickle=weights_only is False)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the checkpoint now; its unshared chunks are freed once in-flight saves are durable."""
-        remove(str(path), self.storage_options)
-        if self.gc:
-            self._gc.schedule(run_of(str(path)), self._handles)
+        """Drop the checkpoint now; nothing if there is none (or only an uncommitted one). A
+        save of it in flight is waited for first, so it cannot come back. Its unshared chunks
+        are freed in the background. A plain file or a link (``save_last="link"``) is removed
+        as ``TorchCheckpointIO`` removes it."""
+        url = str(path)
+        with ckptturbo_errors("removing", url):
+            fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
+            if _is_local(url) and os.path.islink(fs_path) or fs.isfile(fs_path):
+                fs.rm(fs_path)
+                return
+            remove(url, self.storage_options, session=self.session)  # an empty directory goes too
+            if self.gc:
+                assert self._gc is not None
+                self._gc.schedule(run_of(url), self._handles)
 
     def _raise_failed(self) -> None:
         """Raise the first failure of an earlier save; forget the saves that finished."""
@@ -82,24 +137,72 @@ class TurboCheckpointIO(CheckpointIO):
             if exc is not None:
                 raise exc
 
-    def _wait(self, raise_errors: bool = True) -> None:
-        first: BaseException | None = None
-        for handle in self._handles:
-            try:
-                handle.durable.result()
-            except Exception as exc:  # noqa: BLE001
-                first = first or exc
-        if first is not None and raise_errors:
-            self._handles.clear()
-            raise first
-
     def teardown(self) -> None:
-        """Wait until every checkpoint is durable, free unused chunks, raise a failed save."""
-        try:
-            self._wait()
-        finally:
-            self._handles.clear()
-            self._gc.finish()
+        """Wait until every checkpoint is durable, free unused chunks, raise a failed save, and
+        close the plugin's session: no thread of ckptturbo's is left running."""
+        with ckptturbo_errors("finishing", "the plugin's checkpoints"):
+            try:
+                for handle in list(self._handles):
+                    with contextlib.suppress(Exception):  # raised just below
+                        handle.durable.result()
+                self._raise_failed()
+            finally:
+                self._handles.clear()
+                if self._session is not None:
+                    assert self._gc is not None
+                    self._gc.finish()
+                    self._session.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: saves in flight and the session belong to this process."""
+        return {**self.__dict__, "_handles": [], "_session": None, "_gc": None}
+
+
+def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any] | None = None,
+                         map_location: Any = None, weights_only: bool | None = None,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` for a ckptturbo checkpoint (local or ``s3://``), no Trainer needed.
+
+    ``LightningModule.load_from_checkpoint`` reads its path with ``torch.load`` and accepts
+    no CheckpointIO, but it accepts a file-like object: the checkpoint is loaded through
+    ``TurboCheckpointIO`` and handed over as an in-memory torch file, so Lightning's own
+    code restores hyper-parameters, state and ``on_load_checkpoint`` hooks. Holds the
+    checkpoint twice in host memory while it runs. ``kwargs`` go to
+    ``cls.load_from_checkpoint`` (``hparams_file``, ``strict``, overridden hyper-parameters).
+    """
+    plugin = TurboCheckpointIO(storage_options)
+    try:
+        checkpoint = plugin.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+    finally:
+        plugin.teardown()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=weights_only, **kwargs)
+
+
+def _is_local(url: str) -> bool:
+    return fsspec.utils.get_protocol(url) in ("file", "local")
+
+
+def _reserve(url: str) -> bool:
+    """Create a local checkpoint's directory ahead of its manifest; False on object stores."""
+    if not _is_local(url):
+        return False
+    os.makedirs(fsspec.core.url_to_fs(url)[1], exist_ok=True)
+    return True
+
+
+def _unreserve(url: str) -> None:
+    """Remove a local checkpoint directory left empty (removed, or its save failed)."""
+    if _is_local(url):
+        with contextlib.suppress(OSError):  # not empty or already gone: leave it
+            os.rmdir(fsspec.core.url_to_fs(url)[1])
+
+
+def _unreserve_failed(durable: Any, url: str) -> None:
+    if durable.exception() is not None:
+        _unreserve(url)
 
 
 class _TurboShardedCheckpoints:

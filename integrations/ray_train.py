@@ -31,9 +31,6 @@ from ckptturbo.errors import CkptTurboError, SaveInProgress
 
 log = logging.getLogger(__name__)
 
-_name_groups: dict[Any, Any] = {}
-
-
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> int:
     """Delete chunks that no committed checkpoint of the run names; returns bytes freed.
 
@@ -86,10 +83,8 @@ def _agreed_name(name: str | None) -> str:
         return name
     proposal = [f"checkpoint_{time.strftime('%Y-%m-%d_%H-%M-%S', time.gmtime())}_{time.time_ns() % 10**6:06d}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        key = dist.group.WORLD
-        if key not in _name_groups:
-            _name_groups[key] = dist.new_group(backend="gloo")
-        dist.broadcast_object_list(proposal, src=0, group=_name_groups[key])
+        group = ct.default_session().gloo_group(dist.group.WORLD, "names")
+        dist.broadcast_object_list(proposal, src=0, group=group)
     return proposal[0]
 
 

@@ -1,20 +1,30 @@
-"""transformers ``Trainer``: async ckptturbo checkpoints with a callback, resume with a mixin.
+"""transformers ``Trainer``: async ckptturbo checkpoints, resume, rotation and best model.
 
-Saving: ``TurboCheckpointCallback`` is the public extension point that sees every save
-decision. ``DefaultFlowCallback`` sets ``control.should_save`` from ``save_strategy`` /
-``save_steps`` in ``on_step_end``/``on_epoch_end``; this callback runs after it, starts an
-async ckptturbo save of model, optimizer, scheduler, scaler, every rank's RNG and the
-``TrainerState``, and clears ``should_save`` so the Trainer skips its synchronous
-``checkpoint-<step>/`` write. Training continues once the state is staged in host memory.
-``save_total_limit`` keeps the newest checkpoints; older ones are dropped and their
-unshared chunks freed in the background.
+Saving: with ``TurboTrainerMixin`` (or ``TurboTrainer``) the Trainer's own save decision
+(``_save_checkpoint``, reached after evaluation, so the saved ``TrainerState`` holds that
+step's metrics and best-model fields) starts an async ckptturbo save of model, optimizer,
+scheduler, grad scaler, every rank's RNG and the ``TrainerState``; ``on_save`` callbacks
+run as usual. Training continues once the state is staged in host memory. The callback
+alone (``callbacks=[TurboCheckpointCallback(...)]`` on any Trainer) intercepts the same
+decision one hook earlier: ``DefaultFlowCallback`` sets ``control.should_save`` in
+``on_step_end``/``on_epoch_end``, this callback saves and clears it.
+
+Rotation (``save_total_limit``) is decided, like the Trainer's own rotation of its output
+directory, from what storage holds under the run (plus this process's saves in flight),
+never from a list kept in memory, so it keeps working after a resume; the newest and the
+best checkpoint are never removed. ``load_best_model_at_end`` loads the best checkpoint's
+model from storage.
 
 Resuming: ``Trainer.train(resume_from_checkpoint=...)`` only reads a local directory in
-its own layout, and every loader behind it is private. ``TurboTrainerMixin.train`` accepts
-a ckptturbo checkpoint URL (local or ``s3://``, or ``True`` for the newest under the
-callback's root), loads it (read once across ranks) and lays it out as the Trainer's own
-files in a temporary directory, then resumes through the Trainer's unchanged code path:
-same model, optimizer, scheduler, RNG, ``global_step`` and data position.
+its own layout, through private loaders. ``TurboTrainerMixin.train`` accepts a ckptturbo
+checkpoint URL (local or ``s3://``, or ``True`` for the newest under the callback's root),
+loads it (read once across ranks) and lays it out as the Trainer's own files in a
+temporary directory, then resumes through the Trainer's unchanged code path: same model,
+optimizer, scheduler, RNG, ``global_step`` and data position.
+
+Only ckptturbo errors (``CkptTurboError``, the original as ``__cause__``) leave the
+callback's hooks and the mixin's methods, except the user's own code's errors raised
+inside ``Trainer.train``.
 """
 from __future__ import annotations
 
@@ -22,19 +32,24 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import ckptturbo as ct
 
-from ._core import (DeferredGC, all_ranks, exists, list_checkpoints, native_rng_state,
-                    rank_and_world, remove, rng_state, save_tree)
+from ._core import (DeferredGC, all_ranks, ckptturbo_errors, exists, list_checkpoints,
+                    native_rng_state, rank_and_world, remove, rng_state, save_tree)
 
 log = logging.getLogger(__name__)
+
+_STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class TurboCheckpointCallback(TrainerCallback):
@@ -45,6 +60,10 @@ class TurboCheckpointCallback(TrainerCallback):
             default: ``args.output_dir``.
         storage_options: fsspec options for ``url`` (endpoint, keys, ...).
         writer_options: passed to ``ckptturbo.TurboWriter``.
+
+    ``intercept`` (default True) makes ``on_step_end``/``on_epoch_end`` take over the
+    save that ``control.should_save`` asks for; ``TurboTrainerMixin`` sets it False and
+    routes the Trainer's own ``_save_checkpoint`` to ``save`` instead.
     """
 
     def __init__(self, url: str | None = None, storage_options: dict[str, Any] | None = None,
@@ -52,12 +71,40 @@ class TurboCheckpointCallback(TrainerCallback):
         self.url = url
         self.storage_options = storage_options
         self.writer_options = writer_options
+        self.intercept = True
+        self.best: str | None = None  # URL of the best checkpoint, as state.best_model_checkpoint
         self.handles: list[ct.SaveHandle] = []
-        self.saved: list[str] = []
         self._gc = DeferredGC(storage_options)
 
     def root(self, args: Any) -> str:
         return str(self.url or args.output_dir).rstrip("/")
+
+    def url_of(self, args: Any, step: int) -> str:
+        return f"{self.root(args)}/{PREFIX_CHECKPOINT_DIR}-{step}"
+
+    def checkpoints(self, args: Any, *, wait: bool = True) -> dict[int, str]:
+        """``{step: url}`` of the committed ``checkpoint-<step>`` checkpoints under the root.
+
+        Saves of this process still in flight under the root are waited for first
+        (read-your-writes), or with ``wait=False`` listed as they are.
+        """
+        root = self.root(args)
+        found = {}
+        for info in list_checkpoints(root, storage_options=self.storage_options, wait=wait):
+            match = _STEP.match(info.name)
+            if match:
+                found[int(match.group(1))] = f"{root}/{info.name}"
+        return found
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        with ckptturbo_errors("checking the best checkpoint of", self.root(args)):
+            recorded = self.best or state.best_model_checkpoint
+            self.best = recorded if recorded and exists(recorded, self.storage_options) else None
+            if not self.intercept:
+                state.best_model_checkpoint = self.best
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         return self._maybe_save(args, state, control, **kwargs)
@@ -67,53 +114,111 @@ class TurboCheckpointCallback(TrainerCallback):
 
     def _maybe_save(self, args: Any, state: Any, control: Any, *, model: Any = None,
                     optimizer: Any = None, lr_scheduler: Any = None, **_: Any) -> Any:
-        if not control.should_save:
+        if not (self.intercept and control.should_save):
             return control
         control.should_save = False  # the Trainer's synchronous checkpoint is replaced by ours
-        self._raise_failed()
-        url = f"{self.root(args)}/checkpoint-{state.global_step}"
-        tree: dict[str, Any] = {
-            "model": _unwrap(model).state_dict(),
-            "rng": all_ranks(rng_state()),
-            "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
-        }
-        if not args.save_only_model:
-            tree["optimizer"] = optimizer.state_dict() if optimizer is not None else None
-            tree["scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
-        handle = save_tree(tree, url, storage_options=self.storage_options, collective=True,
-                           **self.writer_options)
-        handle.staged.result()
-        self.handles.append(handle)
-        self.saved.append(url)
-        self._rotate(args, state)
+        self.save(args, state, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
         return control
 
-    def _rotate(self, args: Any, state: Any) -> None:
-        limit = args.save_total_limit
-        if not limit or len(self.saved) <= limit:
+    def on_train_end(self, args: Any, state: Any, control: Any, *, model: Any = None,
+                     **kwargs: Any) -> Any:
+        self.wait()
+        with ckptturbo_errors("finishing the checkpoints of", self.root(args)):
+            self._update_best(args, state, saving=None)
+            if self.intercept and args.load_best_model_at_end and self.best is not None:
+                self.load_model(self.best, model)  # the Trainer could not: not its own files
+                state.best_model_checkpoint = self.best
+            if args.should_save and self.best is not None and args.save_total_limit == 1:
+                for url in self.checkpoints(args).values():  # the Trainer keeps only the best
+                    if url != self.best:
+                        remove(url, self.storage_options)
+                self._gc.schedule(self.root(args), [])
+                self._gc.finish()
+        return control
+
+    # -- saving ------------------------------------------------------------------------
+
+    def save(self, args: Any, state: Any, *, model: Any, optimizer: Any = None,
+             lr_scheduler: Any = None, scaler: Any = None) -> ct.SaveHandle:
+        """Start the save of ``checkpoint-<global_step>``; return once it is staged.
+
+        Every rank calls it (the save is collective). Raises the failure of an earlier
+        save, if one failed meanwhile.
+        """
+        url = self.url_of(args, state.global_step)
+        with ckptturbo_errors("saving", url):
+            self._raise_failed()
+            self._update_best(args, state, saving=url)
+            if not self.intercept:
+                state.best_model_checkpoint = self.best
+            tree: dict[str, Any] = {
+                "model": _unwrap(model).state_dict(),
+                "rng": all_ranks(rng_state()),
+                "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+            }
+            if not args.save_only_model:
+                tree["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+                tree["scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
+                tree["scaler"] = scaler.state_dict() if scaler is not None else None
+            handle = save_tree(tree, url, storage_options=self.storage_options, collective=True,
+                               **self.writer_options)
+            handle.staged.result()
+            self.handles.append(handle)
+            if args.should_save:
+                self._rotate(args, newest=url)
+        return handle
+
+    def _update_best(self, args: Any, state: Any, saving: str | None) -> None:
+        """As the Trainer: the checkpoint of ``best_global_step``, once that one exists."""
+        if args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
             return
-        doomed, self.saved = self.saved[:-limit], self.saved[-limit:]
-        if state.is_world_process_zero:
-            for url in doomed:  # older saves are durable: each save waits for the one before
-                remove(url, self.storage_options)
+        if not state.best_global_step:
+            return
+        url = self.url_of(args, state.best_global_step)
+        if url == saving or (url != self.best and exists(url, self.storage_options)):
+            self.best = url
+
+    def _rotate(self, args: Any, newest: str) -> None:
+        """Keep ``save_total_limit`` checkpoints of what storage holds, as the Trainer's own
+        rotation: the oldest go first; the newest (to resume from) and the best never go."""
+        limit = args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        # the save just started is listed (pending), not waited for
+        ordered = [url for _, url in sorted(self.checkpoints(args, wait=False).items())]
+        if len(ordered) <= limit:
+            return
+        protected = {ordered[-1], newest} | ({self.best} if self.best else set())
+        excess = len(ordered) - max(limit, len(protected))
+        doomed = [url for url in ordered if url not in protected][:max(excess, 0)]
+        for url in doomed:  # older saves are durable: each save of a run waits for the one before
+            remove(url, self.storage_options)
+        if doomed:
             self._gc.schedule(self.root(args), self.handles)
 
     def _raise_failed(self) -> None:
         for handle in [h for h in self.handles if h.done()]:
             self.handles.remove(handle)
-            if handle.durable.exception() is not None:
-                raise handle.durable.exception()
+            handle.wait()  # raises the save's failure
 
     def wait(self) -> None:
         """Block until every checkpoint is durable; raise the first failed save."""
         pending, self.handles = self.handles, []
-        for handle in pending:
-            handle.wait()
-        self._gc.finish()
+        with ckptturbo_errors("waiting for the checkpoints of", self.url or "the Trainer"):
+            for handle in pending:
+                handle.wait()
+            self._gc.finish()
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.wait()
-        return control
+    def load_model(self, url: str, model: Any) -> None:
+        """Load the model weights of checkpoint ``url`` into ``model`` in place (the rest
+        of the checkpoint is not read); every rank calls it."""
+        with ckptturbo_errors("loading the model of", url):
+            module = _unwrap(model)
+            state = module.state_dict()
+            ct.load({f"model.{k}": v for k, v in state.items()}, url,
+                    storage_options=self.storage_options, strict=False)
+            module.load_state_dict(state)
+            log.info("loaded the model of %s", url)
 
 
 def _unwrap(model: Any) -> Any:
@@ -123,56 +228,103 @@ def _unwrap(model: Any) -> Any:
 
 
 class TurboTrainerMixin:
-    """Mix in before ``Trainer``: adds the callback and resumes from ckptturbo checkpoints.
+    """Mix in before ``Trainer``: its checkpoints become ckptturbo checkpoints, and it resumes
+    from them and loads the best one from them.
 
     ``class MyTrainer(TurboTrainerMixin, Trainer)``; ``turbo_url`` / ``turbo_storage_options``
-    keyword arguments configure the callback.
+    keyword arguments configure the callback. It takes the place of the Trainer's private
+    ``_save_checkpoint`` and ``_load_best_model`` (transformers as pinned in pyproject.toml).
     """
 
     def __init__(self, *args: Any, turbo_url: str | None = None,
                  turbo_storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.turbo = TurboCheckpointCallback(turbo_url, turbo_storage_options)
+        self.turbo.intercept = False
         self.add_callback(self.turbo)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        url = self._turbo_resolve(resume_from_checkpoint)
+        with ckptturbo_errors("resuming from", resume_from_checkpoint):
+            url = self._turbo_resolve(resume_from_checkpoint)
         if url is None:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         local = tempfile.mkdtemp(prefix="ckptturbo-resume-")
         try:
-            self._turbo_materialize(url, local)
+            with ckptturbo_errors("resuming from", url):
+                self._turbo_materialize(url, local)
             return super().train(resume_from_checkpoint=local, **kwargs)
         finally:
             shutil.rmtree(local, ignore_errors=True)
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save, as a ckptturbo checkpoint (its own files are not written)."""
+        if trial is None:
+            self.store_flos()
+        self._turbo_export_callback_states()
+        self.turbo.save(self.args, self.state, model=self.model, optimizer=self.optimizer,
+                        lr_scheduler=self.lr_scheduler,
+                        scaler=getattr(self.accelerator, "scaler", None))
+
+    def _turbo_export_callback_states(self) -> None:
+        """Record ``ExportableState`` callbacks in the state, as the Trainer does before saving."""
+        for cb in (*self.callback_handler.callbacks, self.control):
+            if not isinstance(cb, ExportableState):
+                continue
+            name = type(cb).__name__
+            slot = self.state.stateful_callbacks.get(name)
+            if isinstance(slot, list):
+                slot.append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    def _load_best_model(self) -> None:
+        """Load the best checkpoint's model from storage (the Trainer's own loader reads only
+        its own files); a checkpoint not written by ckptturbo goes to the Trainer's loader."""
+        best = self.state.best_model_checkpoint
+        self.turbo.wait()
+        with ckptturbo_errors("loading the best model from", best):
+            if not exists(best, self.turbo.storage_options):
+                return super()._load_best_model()
+        log.info("loading best model from %s (score: %s)", best, self.state.best_metric)
+        self.turbo.load_model(best, self.model)
+        return None
+
     def _turbo_resolve(self, resume: str | bool | None) -> str | None:
         opts = self.turbo.storage_options
         if resume is True:
-            root = self.turbo.root(self.args)
-            found = [c for c in list_checkpoints(root, opts) if c.name.startswith("checkpoint-")]
+            found = self.turbo.checkpoints(self.args)
             if not found:
-                raise ct.CheckpointNotFound(f"no committed ckptturbo checkpoint under {root}")
-            return max(found, key=lambda c: int(c.name.rsplit("-", 1)[1])).url
-        if isinstance(resume, str) and exists(resume, opts):
-            return resume
-        return None
+                raise ct.CheckpointNotFound(
+                    f"no committed ckptturbo checkpoint under {self.turbo.root(self.args)}")
+            return found[max(found)]
+        if isinstance(resume, (str, os.PathLike)):
+            resume = os.fspath(resume)
+            if exists(resume, opts):
+                return resume
+            if "://" in resume and not resume.startswith("file://"):
+                raise ct.CheckpointNotFound(f"no committed ckptturbo checkpoint at {resume}")
+        return None  # a local directory in the Trainer's own layout: its own code reads it
 
     def _turbo_materialize(self, url: str, local: str) -> None:
         """Write the checkpoint as the Trainer's own files, which its resume path reads."""
         tree = ct.load_state_dict(url, storage_options=self.turbo.storage_options)
         rank, world = rank_and_world()
         torch.save(tree["model"], os.path.join(local, "pytorch_model.bin"))
-        if tree.get("optimizer") is not None:
-            torch.save(tree["optimizer"], os.path.join(local, "optimizer.pt"))
-        if tree.get("scheduler") is not None:
-            torch.save(tree["scheduler"], os.path.join(local, "scheduler.pt"))
+        for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"),
+                          ("scaler", "scaler.pt")):
+            if tree.get(key) is not None:
+                torch.save(tree[key], os.path.join(local, name))
         if rank < len(tree["rng"]):
             rng = native_rng_state(tree["rng"][rank])
             name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
             torch.save(rng, os.path.join(local, name))
+        state = json.loads(tree["trainer_state"])
+        # The Trainer drops a best checkpoint that is not a local directory; the callback
+        # checks it in storage instead (on_train_begin).
+        self.turbo.best = state.get("best_model_checkpoint")
+        state["best_model_checkpoint"] = None
         with open(os.path.join(local, "trainer_state.json"), "w") as f:
-            f.write(tree["trainer_state"])
+            json.dump(state, f, sort_keys=True)
         log.info("resuming from %s (laid out in %s)", url, local)
 
 

@@ -143,6 +143,7 @@ def test_overwrite_true_replaces_false_refuses(kind, tmp_path):
     dcp.save({"w": torch.full((6,), 2.0)}, storage_writer=writer(kind, url))  # default: True
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.full((6,), 3.0)}, storage_writer=writer(kind, url, overwrite=False))
+    assert "Checkpoint already exists" in str(info.value)  # DCP's wording, which callers match
     if kind == "turbo":
         (inner,) = failures(info.value)
         assert isinstance(inner, CheckpointExists) and url in str(inner)

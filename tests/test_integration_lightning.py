@@ -35,6 +35,9 @@ def run_ddp(tmp_path: Path, dirpath: str, out: Path, *, epochs: int, top_k: int,
         env.update(FSSPEC_S3_ENDPOINT_URL=s3.endpoint, FSSPEC_S3_KEY=s3.key, FSSPEC_S3_SECRET=s3.secret)
     code, output = run_command(cmd, cwd=tmp_path, env=env, timeout=240)
     assert code == 0, f"Lightning DDP run {'timed out' if code is None else 'failed'}:\n{output[-4000:]}"
+    for rank in (0, 1):  # teardown closed the plugin's session on every rank
+        left = json.loads(Path(f"{out}.threads{rank}.json").read_text())
+        assert not [name for name in left if name.startswith("ckptturbo")], (rank, left)
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
@@ -48,6 +51,7 @@ def test_ddp_fit_top_k_and_resume_identical(tmp_path):
     run_ddp(tmp_path, str(run), tmp_path / "a.pt", epochs=3, top_k=2)
     kept = [c.name for c in catalog.list_checkpoints(str(run))]
     assert kept == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    assert sorted(p.name for p in run.glob("*.ckpt")) == kept  # removed ones leave no directory
     # the removed checkpoint's chunks were freed: nothing unreferenced is left
     assert catalog.collect_garbage(str(run), dry_run=True).deleted == 0
     # resume from the epoch-1 checkpoint in a fresh DDP run: same end state as the straight run

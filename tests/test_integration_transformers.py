@@ -1,4 +1,10 @@
-"""transformers Trainer with ckptturbo: a tiny GPT-2 built from a config (no downloads)."""
+"""transformers Trainer with ckptturbo: a tiny GPT-2 built from a config (no downloads).
+
+What is checked is the Trainer's own checkpoint contract: exact resume, ``save_total_limit``
+after a resume (decided from storage), ``load_best_model_at_end`` (the same checkpoints
+kept and the same final weights as the Trainer with its own checkpoints), resume of the
+newest checkpoint in storage, and only ckptturbo errors leaving the adapter.
+"""
 from __future__ import annotations
 
 import pytest
@@ -6,18 +12,22 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments)
 
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
-from ckptturbo.integrations.transformers import TurboTrainer  # noqa: E402
+from ckptturbo.integrations.transformers import TurboCheckpointCallback, TurboTrainer  # noqa: E402
 from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
+
+# eval score by global step (lower is better): the best checkpoint is step 4
+SCORES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 2.5, 10: 1.5, 12: 2.0}
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
+    def __init__(self, n: int = 48) -> None:
         g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (48, 16), generator=g)
+        self.ids = torch.randint(0, 64, (n, 16), generator=g)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -26,16 +36,42 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def make_trainer(out: str, seed: int, **turbo) -> TurboTrainer:
+class StepCounter(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def make_trainer(out: str, seed: int, cls=TurboTrainer, max_steps: int = 6, best: bool = False,
+                 **turbo) -> Trainer:
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    args = TrainingArguments(output_dir=out, max_steps=6, save_steps=2, save_total_limit=2,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                       use_cache=False))
+    extra = {}
+    if best:
+        extra = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                     metric_for_best_model="score", greater_is_better=False, per_device_eval_batch_size=8)
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, save_steps=2, save_total_limit=2,
                              per_device_train_batch_size=4, learning_rate=1e-3, seed=0, report_to=[],
-                             use_cpu=True, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
-    return TurboTrainer(model=model, args=args, train_dataset=Tokens(), **turbo)
+                             use_cpu=True, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+                             **extra)
+    holder: dict = {}
+    kwargs = dict(model=model, args=args, train_dataset=Tokens(), callbacks=[StepCounter()])
+    if best:  # a score that depends only on the step, so which checkpoint is best is known
+        kwargs.update(eval_dataset=Tokens(8),
+                      compute_metrics=lambda _: {"score": SCORES[holder["t"].state.global_step]},
+                      preprocess_logits_for_metrics=lambda logits, labels: logits[..., :1])
+    trainer = holder["t"] = cls(**kwargs, **turbo)
+    return trainer
 
 
-def training_state(trainer: TurboTrainer) -> dict:
+def steps_run(trainer: Trainer) -> list[int]:
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepCounter)).steps
+
+
+def training_state(trainer: Trainer) -> dict:
     return {"model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
             "optim": trainer.optimizer.state_dict(), "sched": trainer.lr_scheduler.state_dict(),
             "step": trainer.state.global_step}
@@ -47,16 +83,87 @@ def assert_same(a: dict, b: dict) -> None:
     assert a["sched"] == b["sched"]
 
 
+def names(root: str, opts: dict | None = None) -> list[str]:
+    return sorted((c.name for c in catalog.list_checkpoints(root, opts)), key=lambda n: int(n.split("-")[1]))
+
+
+def model_of(url: str, opts: dict | None = None) -> dict:
+    return ct.load_state_dict(url, storage_options=opts)["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_async_checkpoints_limit_and_exact_resume_local(tmp_path):
     out = str(tmp_path / "out")
     a = make_trainer(out, seed=0)
     a.train()
-    names = [c.name for c in catalog.list_checkpoints(out)]
-    assert names == ["checkpoint-4", "checkpoint-6"]  # save_steps=2, save_total_limit=2
+    assert names(out) == ["checkpoint-4", "checkpoint-6"]  # save_steps=2, save_total_limit=2
     assert catalog.collect_garbage(out, dry_run=True).deleted == 0
     b = make_trainer(str(tmp_path / "out_b"), seed=1)  # different init: everything must come from the checkpoint
     b.train(resume_from_checkpoint=f"{out}/checkpoint-4")
     assert_same(training_state(a), training_state(b))
+
+
+def test_limit_holds_after_resume(tmp_path):
+    """A resumed Trainer rotates what storage holds, not only what it saved itself."""
+    out = str(tmp_path / "out")
+    make_trainer(out, seed=0, max_steps=6).train()
+    assert names(out) == ["checkpoint-4", "checkpoint-6"]
+    b = make_trainer(out, seed=0, max_steps=10)
+    b.train(resume_from_checkpoint=True)
+    assert steps_run(b) == [7, 8, 9, 10]
+    assert names(out) == ["checkpoint-8", "checkpoint-10"]
+    assert catalog.collect_garbage(out, dry_run=True).deleted == 0  # chunks of removed ones freed
+
+
+def test_best_model_and_limit_as_the_trainer_does(tmp_path):
+    """Same checkpoints kept and same final (best) weights as the Trainer with its own files."""
+    ref = make_trainer(str(tmp_path / "ref"), seed=0, cls=Trainer, max_steps=8, best=True)
+    ref.train()
+    assert ref.state.best_model_checkpoint == str(tmp_path / "ref" / "checkpoint-4")
+    kept_by_hf = sorted(p.name for p in (tmp_path / "ref").glob("checkpoint-*"))
+
+    out = str(tmp_path / "out")
+    t = make_trainer(out, seed=0, max_steps=8, best=True)
+    t.train()
+    assert names(out) == ["checkpoint-4", "checkpoint-8"] == kept_by_hf  # the best survives the limit
+    assert t.state.best_model_checkpoint == f"{out}/checkpoint-4"
+    final = {k: v.clone() for k, v in t.model.state_dict().items()}
+    assert_same_weights(final, model_of(f"{out}/checkpoint-4"))  # the best one was loaded at the end
+    assert_same_weights(final, dict(ref.model.state_dict()))
+    assert not torch.equal(final["lm_head.weight"], model_of(f"{out}/checkpoint-8")["lm_head.weight"])
+
+
+def test_best_model_kept_and_loaded_after_resume_s3(tmp_path, s3_server):
+    """On s3:// the Trainer cannot see the best checkpoint recorded in the resumed state (not
+    a local directory); the adapter finds it in storage, keeps it under the limit and loads it."""
+    root, opts = s3_server.url("best"), s3_server.storage_options
+    make_trainer(str(tmp_path / "a"), seed=0, max_steps=6, best=True,
+                 turbo_url=root, turbo_storage_options=opts).train()
+    assert names(root, opts) == ["checkpoint-4", "checkpoint-6"]
+    b = make_trainer(str(tmp_path / "b"), seed=0, max_steps=12, best=True,
+                     turbo_url=root, turbo_storage_options=opts)
+    b.train(resume_from_checkpoint=True)
+    assert steps_run(b)[0] == 7
+    assert names(root, opts) == ["checkpoint-4", "checkpoint-12"]
+    assert b.state.best_model_checkpoint == f"{root}/checkpoint-4"
+    assert_same_weights(dict(b.model.state_dict()), model_of(f"{root}/checkpoint-4", opts))
+
+
+def test_callback_alone_limit_and_best(tmp_path):
+    """The callback on a plain Trainer: the same rotation, and the best model loaded at the end."""
+    out = str(tmp_path / "out")
+    t = make_trainer(out, seed=0, cls=Trainer, max_steps=8, best=True)
+    t.add_callback(TurboCheckpointCallback())
+    t.train()
+    assert not list((tmp_path / "out").glob("checkpoint-*/model.safetensors"))  # the Trainer wrote nothing
+    assert names(out) == ["checkpoint-4", "checkpoint-8"]
+    assert t.state.best_model_checkpoint == f"{out}/checkpoint-4"
+    assert_same_weights(dict(t.model.state_dict()), model_of(f"{out}/checkpoint-4"))
 
 
 def test_resume_latest_from_s3(tmp_path, s3_server):
@@ -64,10 +171,41 @@ def test_resume_latest_from_s3(tmp_path, s3_server):
     opts = s3_server.storage_options
     a = make_trainer(str(tmp_path / "out"), seed=0, turbo_url=root, turbo_storage_options=opts)
     a.train()
-    assert [c.name for c in catalog.list_checkpoints(root, opts)] == ["checkpoint-4", "checkpoint-6"]
+    assert names(root, opts) == ["checkpoint-4", "checkpoint-6"]
     # drop step 6 so the newest is step 4 (resumed exactly at max_steps, the run here took one
     # more step); resume_from_checkpoint=True must pick checkpoint-4
     ct.delete(f"{root}/checkpoint-6", storage_options=opts)
     b = make_trainer(str(tmp_path / "out_b"), seed=1, turbo_url=root, turbo_storage_options=opts)
     b.train(resume_from_checkpoint=True)
     assert_same(training_state(a), training_state(b))
+
+
+def test_resume_reads_a_save_still_in_flight_s3(tmp_path, s3_server):
+    """resume_from_checkpoint=True right after a save returned (staged, not yet durable) in the
+    same process resumes from that save: the listing waits for it."""
+    root, opts = s3_server.url("inflight"), s3_server.storage_options
+    a = make_trainer(str(tmp_path / "a"), seed=0, max_steps=4, turbo_url=root, turbo_storage_options=opts)
+    a.train()
+    b = make_trainer(str(tmp_path / "b"), seed=1, max_steps=8, turbo_url=root, turbo_storage_options=opts)
+    a.state.global_step = 6
+    a.args.save_total_limit = None  # no rotation: its listing would wait for the save
+    handle = a.turbo.save(a.args, a.state, model=a.model, optimizer=a.optimizer,
+                          lr_scheduler=a.lr_scheduler)
+    b.train(resume_from_checkpoint=True)
+    assert handle.done()
+    assert steps_run(b) == [7, 8]
+
+
+def test_errors_are_ckptturbo_errors(tmp_path, s3_server):
+    opts = s3_server.storage_options
+    t = make_trainer(str(tmp_path / "out"), seed=0, turbo_url=s3_server.url("empty"), turbo_storage_options=opts)
+    with pytest.raises(ct.CheckpointNotFound, match="empty"):
+        t.train(resume_from_checkpoint=True)
+    with pytest.raises(ct.CheckpointNotFound, match="nope"):
+        t.train(resume_from_checkpoint=s3_server.url("empty/nope"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    t = make_trainer(str(tmp_path / "out"), seed=0, max_steps=2, turbo_url=str(blocker / "run"))
+    with pytest.raises(ct.CkptTurboError) as err:
+        t.train()
+    assert str(blocker) in str(err.value) and err.value.__cause__ is not None

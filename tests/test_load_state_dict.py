@@ -71,8 +71,10 @@ def test_device_templates_and_dtype(tmp_path):
     assert loaded["w"] is into and torch.equal(into, w)
     assert loaded["b"].dtype == torch.float16 and not loaded["b"].any()
 
-    with pytest.raises(ct.MismatchError, match="lacks 1 entries"):
+    with pytest.raises(ct.MismatchError, match="'nope' is not in the checkpoint"):
         ct.load_state_dict(url, templates={"nope": torch.empty(1)})
+    with pytest.raises(ct.MismatchError, match=r"'w': shape \(30, 40\) in the template, \(40, 30\)"):
+        ct.load_state_dict(url, templates={"w": torch.empty(30, 40)})
 
 
 class _Opaque:

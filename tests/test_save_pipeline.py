@@ -13,7 +13,8 @@ from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 import ckptturbo as ct
-from ckptturbo import api
+from ckptturbo import session
+from ckptturbo.failures import as_ckptturbo_error
 from ckptturbo.upload import SaveStats
 
 
@@ -61,35 +62,46 @@ def test_ct_save_and_load_without_a_group_do_not_warn(tmp_path):
 
 def test_writers_kept_by_ct_save_are_bounded_and_evicted_ones_closed(tmp_path):
     sd = state(4)
+    kept = ct.default_session()._writers
     first_key = None
-    for i in range(api.MAX_WRITERS + 2):
+    for i in range(session.MAX_WRITERS + 2):
         ct.save(sd, str(tmp_path / f"run{i}" / "a")).wait(timeout=60)
         if first_key is None:
-            first_key = next(k for k in api._writers if k[0] == str(tmp_path / "run0"))
-            first = api._writers[first_key]
-    assert len(api._writers) <= api.MAX_WRITERS
-    assert first_key not in api._writers and first._pool is None  # closed: pool released
+            first_key = next(k for k in kept if k[0] == f"file://{tmp_path}/run0")
+            first = kept[first_key]
+    assert len(kept) <= session.MAX_WRITERS
+    assert first_key not in kept and first._pool is None  # closed: pool released
 
 
-def test_unwrap_finds_our_errors_by_type_not_message():
+def test_failures_are_classified_by_type_not_message():
     ours = ct.IntegrityError("chunk abc of 'w' does not match its id")
     wrapped = CheckpointException("save failed", {1: _wrap_exception(ours)})
-    assert api._unwrap(wrapped, "u") is ours
+    assert as_ckptturbo_error(wrapped, "u", "saving") is ours
     try:
         try:
             raise ours
         except ct.IntegrityError as exc:
             raise RuntimeError("gloo connection closed") from exc  # message is irrelevant
     except RuntimeError as outer:
-        assert api._unwrap(outer, "u") is ours
+        assert as_ckptturbo_error(outer, "u", "saving") is ours
     peer = dist.DistNetworkError("anything")
-    comm = api._unwrap(CheckpointException("load failed", {0: _wrap_exception(peer)}), "s3://x")
+    comm = as_ckptturbo_error(CheckpointException("load failed", {0: _wrap_exception(peer)}),
+                              "s3://x", "loading")
     assert isinstance(comm, ct.CommunicationError) and "s3://x" in str(comm)
-    plain = RuntimeError("connection reset by peer")  # a message alone classifies nothing
-    assert api._unwrap(plain, "u") is plain
+    # a message alone classifies nothing: a plain error is wrapped, named, kept as the cause
+    plain = RuntimeError("connection reset by peer")
+    error = as_ckptturbo_error(plain, "s3://b/run/a", "saving")
+    assert type(error) is ct.CkptTurboError and error.__cause__ is plain
+    assert "s3://b/run/a" in str(error) and "RuntimeError: connection reset by peer" in str(error)
+    # DCP's wrapper (a BaseException) becomes an Exception naming the rank's own failure
+    inner = TypeError("cannot pickle '_thread.lock' object")
+    error = as_ckptturbo_error(CheckpointException("save failed", {0: _wrap_exception(inner)}), "u", "saving")
+    assert isinstance(error, Exception) and error.__cause__ is inner and "cannot pickle" in str(error)
+    interrupt = KeyboardInterrupt()
+    assert as_ckptturbo_error(interrupt, "u", "loading") is interrupt
     # gloo reports a dead peer as a plain RuntimeError raised inside a c10d collective; a
     # failure gathered from another rank keeps only its stack summary
     gloo = RuntimeError("Read error")
     stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather", None)])
-    comm = api._unwrap(CheckpointException("load failed", {2: (gloo, stack)}), "u")
+    comm = as_ckptturbo_error(CheckpointException("load failed", {2: (gloo, stack)}), "u", "loading")
     assert isinstance(comm, ct.CommunicationError) and comm.__cause__ is gloo

@@ -32,30 +32,27 @@ def calibrate(url: str, storage_options: dict[str, Any] | None = None, *,
     """
     stream_list, chunk_list = list(streams), list(chunk_sizes)
     store = Store(url, storage_options, max_workers=max(stream_list))
-    try:
-        path, size = _sample_object(store)
-        nbytes = min(size, sample_bytes)
-        results = []
-        for chunk in chunk_list:
-            ranges = [(s, min(s + chunk, nbytes)) for s in range(0, nbytes, chunk)]
-            for n in stream_list:
-                began = time.perf_counter()
-                _read_parallel(store, path, ranges, n)
-                seconds = time.perf_counter() - began
-                results.append({"streams": n, "chunk_size": chunk, "seconds": seconds,
-                                "gbps": nbytes / seconds / 1e9})
-                log.info("calibrate %s: %d streams x %d MiB: %.3f GB/s", url, n, chunk // MiB,
-                         results[-1]["gbps"])
-        best = max(results, key=lambda r: r["gbps"])
-        result = {"endpoint": endpoint_key(store), "object": store.url_of(path), "sample_bytes": nbytes,
-                  "streams": best["streams"], "chunk_size": best["chunk_size"], "gbps": best["gbps"],
-                  "measured_at": time.time(), "results": results}
-        if save:
-            result["saved_to"] = str(save_profile(result["endpoint"], result,
-                                                  None if save is True else save))
-        return result
-    finally:
-        store.close()
+    path, size = _sample_object(store)
+    nbytes = min(size, sample_bytes)
+    results = []
+    for chunk in chunk_list:
+        ranges = [(s, min(s + chunk, nbytes)) for s in range(0, nbytes, chunk)]
+        for n in stream_list:
+            began = time.perf_counter()
+            _read_parallel(store, path, ranges, n)
+            seconds = time.perf_counter() - began
+            results.append({"streams": n, "chunk_size": chunk, "seconds": seconds,
+                            "gbps": nbytes / seconds / 1e9})
+            log.info("calibrate %s: %d streams x %d MiB: %.3f GB/s", url, n, chunk // MiB,
+                     results[-1]["gbps"])
+    best = max(results, key=lambda r: r["gbps"])
+    result = {"endpoint": endpoint_key(store), "object": store.url_of(path), "sample_bytes": nbytes,
+              "streams": best["streams"], "chunk_size": best["chunk_size"], "gbps": best["gbps"],
+              "measured_at": time.time(), "results": results}
+    if save:
+        result["saved_to"] = str(save_profile(result["endpoint"], result,
+                                              None if save is True else save))
+    return result
 
 
 def _sample_object(store: Store) -> tuple[str, int]:

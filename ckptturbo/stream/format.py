@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -37,14 +37,43 @@ DTYPE_BITS: dict[str, tuple[int, str | None]] = {
     "F8_E4M3": (8, "float8_e4m3fn"), "F8_E5M2": (8, "float8_e5m2"),
     "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
     "F8_E8M0": (8, "float8_e8m0fnu"),
-    # sub-byte types: valid files, but torch has no element-wise equivalent
-    "F4": (4, None), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
+    # sub-byte types: F4 values are packed two per byte in torch's float4_e2m1fn_x2 (whose
+    # tensors are half as long in the last dim as the header's shape); torch has no F6
+    "F4": (4, "float4_e2m1fn_x2"), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
 }
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
 
 def torch_dtype(name: str, source: str = "") -> torch.dtype:
-    """The torch dtype for a safetensors dtype name (FormatError when torch lacks it)."""
+    """The torch dtype whose elements are this safetensors dtype's elements, one for one.
+
+    Packed F4 is refused here: its torch tensor does not have the header's shape (see
+    :func:`torch_layout`), and callers of this function reshape by the header's shape.
+    """
+    dtype = _torch_attr(name, source)
+    if DTYPE_BITS[name][0] % 8:
+        raise FormatError(f"{source}: dtype {name} packs two values per byte and cannot be "
+                          "streamed yet; read it with ckptturbo.safe_open")
+    return dtype
+
+
+def torch_layout(name: str, shape: Sequence[int], source: str = "") -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape of the torch tensor that holds a safetensors tensor's bytes.
+
+    Equal to the header's for every byte-sized dtype. F4 becomes ``float4_e2m1fn_x2``,
+    two values per element, so the last dimension halves (as safetensors itself does);
+    a last dimension that is odd (or a scalar) has no such tensor.
+    """
+    dtype = _torch_attr(name, source)
+    if DTYPE_BITS[name][0] % 8 == 0:
+        return dtype, tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise FormatError(f"{source}: dtype {name} of shape {list(shape)}: torch's "
+                          f"{dtype} needs an even last dimension")
+    return dtype, (*shape[:-1], shape[-1] // 2)
+
+
+def _torch_attr(name: str, source: str) -> torch.dtype:
     attr = DTYPE_BITS.get(name, (0, None))[1]
     if attr is None or not hasattr(torch, attr):
         raise FormatError(f"{source}: dtype {name} has no torch equivalent in torch {torch.__version__}")

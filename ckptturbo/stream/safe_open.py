@@ -1,22 +1,73 @@
-"""``safe_open`` for any fsspec URL: safetensors' lazy file API, fetching only what is asked."""
+"""``safe_open`` for any fsspec URL: safetensors' lazy file API, fetching only what is asked.
+
+The contract is ``safetensors.safe_open`` 0.8's: the same arguments (``filename`` as a str
+or ``os.PathLike``, ``framework``, ``device``, keyword-only ``backend``), the same methods
+(``keys``, ``offset_keys``, ``metadata``, ``get_tensor``, ``get_tensors``, ``get_slice``
+with ``get_shape``/``get_dtype``/indexing), every dtype both torch and safetensors know
+(F4 as ``float4_e2m1fn_x2``, last dimension halved, as safetensors does), and a handle
+that refuses use once its ``with`` block has closed it (slices taken before keep working,
+as safetensors' do). Code written against safetensors catches ``SafetensorError`` and
+``FileNotFoundError``; the errors below are those and ckptturbo errors at once.
+"""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
-from ..errors import FormatError, MismatchError
-from .format import DEFAULT_MAX_HEADER_SIZE, TensorInfo, refuse_pickle_name, torch_dtype
+from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
+from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import HEADER_PROBE, fetch_header
 from .source import ByteSource, FileEntry, open_store
 
 MiB = 1 << 20
+FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "numpy", "numpy": "numpy"}
+OTHER_FRAMEWORKS = ("tf", "tensorflow", "jax", "flax", "mlx", "paddle")  # safetensors', not ours
+BACKENDS = ("mmap", "pread")  # accepted for compatibility: ckptturbo always reads byte ranges
+# safetensors maps a bare accelerator name to its device 0 (torch would take the current one)
+_INDEXED_DEVICES = ("cuda", "npu", "xpu", "xla", "mlu", "musa", "hpu")
+
+
+class SafeOpenFormatError(FormatError, SafetensorError):
+    """A file, dtype or argument ``safe_open`` cannot serve (also a ``SafetensorError``)."""
+
+
+class TensorNotFoundError(MismatchError, SafetensorError):
+    """The file has no tensor of that name (safetensors raises ``SafetensorError``)."""
+
+
+class SliceIndexError(MismatchError, IndexError, TypeError, SafetensorError):
+    """An index ``get_slice(...)[index]`` cannot apply: safetensors raises torch's
+    ``IndexError``/``ValueError``/``TypeError`` (framework "pt") or ``SafetensorError``
+    (framework "np"), so this is each of them."""
+
+
+class HandleClosedError(CkptTurboError, SafetensorError):
+    """The handle was used after ``close()`` or the end of its ``with`` block."""
+
+
+@contextmanager
+def _as_safetensors_error() -> Iterator[None]:
+    """Give a ckptturbo FormatError the SafetensorError base that callers catch."""
+    try:
+        yield
+    except FormatError as exc:
+        if isinstance(exc, SafetensorError):
+            raise
+        raise SafeOpenFormatError(str(exc)) from exc
 
 
 class TensorSlice:
     """Lazy view of one tensor, like safetensors' PySafeSlice: indexing along dim 0 fetches
-    only the rows asked for (one ranged read); other dims are indexed after the fetch."""
+    only the rows asked for (one ranged read); other dims are indexed after the fetch.
+
+    Framework "pt" indexes like torch (as safetensors' default backend does); framework
+    "numpy" takes ints, slices and an empty list, with safetensors' errors for the rest.
+    """
 
     def __init__(self, owner: SafeOpen, info: TensorInfo) -> None:
         self._owner = owner
@@ -28,15 +79,26 @@ class TensorSlice:
     def get_dtype(self) -> str:
         return self._info.dtype
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> Any:
+        owner, info = self._owner, self._info
+        if owner.framework == "numpy":
+            index = _numpy_index(index, info, owner.name)
+        try:
+            out = self._select(index)
+        except (IndexError, ValueError, TypeError) as exc:
+            if isinstance(exc, CkptTurboError):
+                raise
+            raise SliceIndexError(f"{owner.name}: tensor {info.name!r} of shape {list(info.shape)}: "
+                                  f"cannot index with {index!r}: {exc}") from exc
+        return owner._deliver(out, info)
+
+    def _select(self, index: Any) -> torch.Tensor:
         info, owner = self._info, self._owner
         idx = index if isinstance(index, tuple) else (index,)
-        first = idx[0] if idx else Ellipsis
-        if not info.shape or first is Ellipsis or not isinstance(first, (int, slice)) \
-                or isinstance(first, bool):
-            full = owner.get_tensor(info.name)
-            return full[index] if idx and idx != (Ellipsis,) else full
-        rows = info.shape[0]
+        first = idx[0] if idx else None
+        if not info.shape or not isinstance(first, (int, slice)) or isinstance(first, bool):
+            return owner._typed(owner._read(info.start, info.end), info)[index]
+        rows = owner._layout(info)[1][0]
         row_bytes = info.nbytes // rows if rows else 0
         if isinstance(first, int):
             i = first + rows if first < 0 else first
@@ -46,15 +108,55 @@ class TensorSlice:
         else:
             start, stop, step = first.indices(rows)
             if step < 1:
-                raise ValueError("get_slice supports only positive steps along dimension 0")
+                raise ValueError("step must be greater than zero")
             stop = max(start, stop)
             lead = slice(None, None, step)
-        rows_tensor = owner._load(info, info.start + start * row_bytes, info.start + stop * row_bytes,
-                                  (stop - start, *info.shape[1:]))
-        out = rows_tensor[(lead, *idx[1:])]
-        if out.numel() < rows_tensor.numel():
+        part = owner._typed(owner._read(info.start + start * row_bytes, info.start + stop * row_bytes),
+                            info, rows=stop - start)
+        out = part[(lead, *idx[1:])]
+        if out.numel() < part.numel():
             out = out.clone()  # do not pin the rows that were fetched but not asked for
-        return out.to(owner.device)
+        return out
+
+
+def _numpy_index(index: Any, info: TensorInfo, name: str) -> Any:
+    """safetensors' numpy slicing rules and messages (its Rust slicer): ints (negative
+    from the end), slices, or an empty list; bounds are checked, not clipped. The
+    message is safetensors' word for word (callers match on it); the file and tensor
+    are added as a note."""
+    def fail(message: str) -> SliceIndexError:
+        exc = SliceIndexError(message)
+        exc.add_note(f"while slicing tensor {info.name!r} of {name}")
+        return exc
+
+    if isinstance(index, list):
+        if index:
+            raise fail("Non empty lists are not implemented")
+        index = slice(0, 0)
+    items = index if isinstance(index, tuple) else (index,)
+    shown, out_of_range = [], None
+    for dim, (item, size) in enumerate(zip(items, info.shape)):
+        if isinstance(item, slice):
+            shown.append(f"{'' if item.start is None else item.start}:"
+                         f"{'' if item.stop is None else item.stop}")
+            begin = item.start or 0
+            stop = size if item.stop is None else item.stop
+            if stop > size:
+                out_of_range = dim, begin if begin >= size else stop - 1, size
+        elif isinstance(item, int) and not isinstance(item, bool):
+            i = item + size if item < 0 else item
+            if i < 0:
+                raise fail(f"Invalid index {item} for dimension {dim} of size {size}")
+            shown.append(str(i))
+            if i >= size:
+                out_of_range = dim, i, size
+        else:
+            raise fail(f"index {item!r} is not an int or a slice")
+    if out_of_range is not None:  # the slicer walks dims from the last: the last fault wins
+        dim, asked, size = out_of_range
+        raise fail(f"Error during slicing [{', '.join(shown)}] with shape {list(info.shape)}: "
+                   f"index {asked} out of bounds for tensor dimension #{dim} of size {size}")
+    return index
 
 
 class SafeOpen:
@@ -62,72 +164,132 @@ class SafeOpen:
 
     Opening fetches the header (one ranged GET, two for headers over 1 MiB); each
     ``get_tensor`` is one ranged GET (parallel GETs of ``chunk_size`` for large tensors);
-    ``get_slice(name)[a:b]`` fetches only rows a..b. Small tensors inside the first GET
-    are served from its bytes.
+    ``get_tensors`` reads the whole data section that way; ``get_slice(name)[a:b]``
+    fetches only rows a..b. Small tensors inside the first GET are served from its bytes.
     """
 
-    def __init__(self, url: str, framework: str = "pt", device: str | torch.device = "cpu",
-                 storage_options: dict[str, Any] | None = None, *, chunk_size: int = 32 * MiB,
-                 streams: int = 16, max_header_size: int = DEFAULT_MAX_HEADER_SIZE) -> None:
-        if framework not in ("pt", "torch"):
-            raise FormatError(f"framework {framework!r} is not supported; use 'pt'")
-        refuse_pickle_name(url)
-        self.device = torch.device(device)
+    def __init__(self, filename: str | os.PathLike[str], framework: str = "pt",
+                 device: str | int | torch.device | None = "cpu",
+                 storage_options: dict[str, Any] | None = None, *, backend: str = "mmap",
+                 chunk_size: int = 32 * MiB, streams: int = 16,
+                 max_header_size: int = DEFAULT_MAX_HEADER_SIZE) -> None:
+        self.name = os.fsdecode(os.fspath(filename))
+        self.framework = _framework(framework, self.name)
+        if backend not in BACKENDS:
+            raise SafeOpenFormatError(f"{self.name}: backend {backend!r} is invalid "
+                                      f"(expected one of: {', '.join(map(repr, BACKENDS))})")
+        self.device = _device(device, self.framework, self.name)
         self.chunk_size = chunk_size
-        self._source = ByteSource(open_store(url, storage_options, streams), None)
+        self._closed = False
+        with _as_safetensors_error():
+            refuse_pickle_name(self.name)
+        self._source = ByteSource(open_store(self.name, storage_options, streams), None)
         try:
             store = self._source.store
             info = store.info(store.root)
             entry = FileEntry(info.path, info.size, info.mtime)
             self._source.register([entry])
-            self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size)
-        except BaseException:
+            with _as_safetensors_error():
+                self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size)
+        except BaseException as exc:
             self._source.close()
+            if isinstance(exc, CheckpointNotFound):  # safetensors' words: callers match on them
+                raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
             raise
         self._entry = entry
 
+    def _header(self) -> Header:
+        if self._closed:
+            raise HandleClosedError(f"{self.name}: File is closed (the safe_open handle was used "
+                                    "after close() or the end of its with block)")
+        return self._file.header
+
     def keys(self) -> list[str]:
-        return sorted(self._file.header.by_name)
+        """Tensor names, sorted."""
+        return sorted(self._header().by_name)
 
     def offset_keys(self) -> list[str]:
-        return [t.name for t in self._file.header.tensors]
+        """Tensor names in the order of their bytes in the file."""
+        return [t.name for t in self._header().tensors]
 
     def metadata(self) -> dict[str, str] | None:
-        return self._file.header.metadata
+        metadata = self._header().metadata
+        return None if metadata is None else dict(metadata)
 
     def _info(self, name: str) -> TensorInfo:
         try:
-            return self._file.header.by_name[name]
+            return self._header().by_name[name]
         except KeyError:
-            raise MismatchError(f"{self._source.url_of(self._entry)} has no tensor {name!r}") from None
+            raise TensorNotFoundError(f"{self.name}: File does not contain tensor {name!r}") from None
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def get_tensor(self, name: str) -> Any:
         info = self._info(name)
-        return self._load(info, info.start, info.end, info.shape).to(self.device)
+        return self._deliver(self._typed(self._read(info.start, info.end), info), info)
+
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor, in file order, from one read of the data section (on CPU the
+        tensors share its buffer, as safetensors' share the file's memory map)."""
+        header = self._header()
+        if not header.tensors:
+            return {}
+        raw = self._read(header.data_start, header.tensors[-1].end)
+        return {t.name: self._deliver(self._typed(raw[t.start - header.data_start:
+                                                      t.end - header.data_start], t), t)
+                for t in header.tensors}
 
     def get_slice(self, name: str) -> TensorSlice:
         return TensorSlice(self, self._info(name))
 
-    def _load(self, info: TensorInfo, start: int, end: int, shape: Sequence[int]) -> torch.Tensor:
+    def _read(self, start: int, end: int) -> torch.Tensor:
+        """Bytes [start, end) of the file as a fresh uint8 tensor."""
         buf = torch.empty(end - start, dtype=torch.uint8)
         out = buf.numpy()
         f = self._file
         if f.tail is not None and end <= f.probe_end:
             lo = start - f.header.data_start
             out[:] = np.frombuffer(f.tail, dtype=np.uint8, count=end - start, offset=lo)
-        elif end > start:
-            def piece(a: int) -> None:
-                b = min(end, a + self.chunk_size)
-                out[a - start:b - start] = np.frombuffer(self._source.get(self._entry, a, b,
-                                                                          cacheable=False), np.uint8)
-            self._source.store.map(piece, range(start, end, self.chunk_size))
-        return buf.view(torch_dtype(info.dtype, self._source.url_of(self._entry))).reshape(tuple(shape))
+            return buf
+
+        def piece(a: int) -> None:
+            b = min(end, a + self.chunk_size)
+            out[a - start:b - start] = np.frombuffer(
+                self._source.get(self._entry, a, b, cacheable=False), np.uint8)
+
+        pieces = range(start, end, self.chunk_size)
+        if len(pieces) > 1:
+            self._source.store.map(piece, pieces)
+        elif pieces:
+            piece(start)  # one GET: no hop to the session's I/O threads
+        return buf
+
+    def _layout(self, info: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
+        with _as_safetensors_error():
+            return torch_layout(info.dtype, info.shape, f"{self.name}: tensor {info.name!r}")
+
+    def _typed(self, raw: torch.Tensor, info: TensorInfo, rows: int | None = None) -> torch.Tensor:
+        """The uint8 bytes of a tensor (or of ``rows`` of its first dim) as its torch tensor."""
+        dtype, shape = self._layout(info)
+        if rows is not None:
+            shape = (rows, *shape[1:])
+        if raw.storage_offset() % dtype.itemsize:
+            raw = raw.clone()  # a view as a wider dtype needs an aligned start
+        return raw.view(dtype).reshape(shape)
+
+    def _deliver(self, tensor: torch.Tensor, info: TensorInfo) -> Any:
+        if self.framework == "pt":
+            return tensor.to(self.device)
+        try:
+            return tensor.numpy()
+        except TypeError as exc:
+            raise SafeOpenFormatError(f"{self.name}: tensor {info.name!r}: dtype {info.dtype} has "
+                                      "no numpy equivalent; open the file with framework='pt'") from exc
 
     @property
     def stats(self) -> dict[str, int]:
         return self._source.counters()
 
     def close(self) -> None:
+        self._closed = True
         self._source.close()
 
     def __enter__(self) -> SafeOpen:
@@ -137,7 +299,36 @@ class SafeOpen:
         self.close()
 
 
-def safe_open(url: str, framework: str = "pt", device: str | torch.device = "cpu",
+def _framework(framework: str, name: str) -> str:
+    if framework in FRAMEWORKS:
+        return FRAMEWORKS[framework]
+    if framework in OTHER_FRAMEWORKS:
+        raise SafeOpenFormatError(f"{name}: framework {framework!r} is not supported by "
+                                  "ckptturbo.safe_open; use 'pt' or 'numpy'")
+    raise SafeOpenFormatError(f"{name}: framework {framework!r} is invalid")
+
+
+def _device(device: str | int | torch.device | None, framework: str, name: str) -> torch.device:
+    """safetensors' ``device``: None or "cpu", an accelerator name with or without an
+    index ("cuda" meaning cuda:0), an accelerator index (int); also a torch.device."""
+    if device is None:
+        device = "cpu"
+    if isinstance(device, str) and device in _INDEXED_DEVICES:
+        device += ":0"
+    try:
+        if isinstance(device, bool):
+            raise TypeError("a bool is not a device")
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SafeOpenFormatError(f"{name}: device {device!r} is invalid: {exc}") from exc
+    if framework != "pt" and parsed.type != "cpu":
+        raise SafeOpenFormatError(f"{name}: device {device!r} is not supported for framework "
+                                  f"{framework!r} (only 'pt' moves tensors to a device)")
+    return parsed
+
+
+def safe_open(filename: str | os.PathLike[str], framework: str = "pt",
+              device: str | int | torch.device | None = "cpu",
               storage_options: dict[str, Any] | None = None, **kwargs: Any) -> SafeOpen:
-    """Open one safetensors file at a URL or path, like ``safetensors.safe_open``."""
-    return SafeOpen(url, framework, device, storage_options, **kwargs)
+    """Open one safetensors file at a path, ``os.PathLike`` or URL, like ``safetensors.safe_open``."""
+    return SafeOpen(filename, framework, device, storage_options, **kwargs)

@@ -120,7 +120,7 @@ class ByteSource:
         return out
 
     def close(self) -> None:
-        self.store.close()
+        """Nothing is held here: the store's I/O threads belong to its session."""
 
 
 def list_files(source: ByteSource, spec: str | Sequence[str],

@@ -2,11 +2,14 @@
 
 Run by tests/test_integration_accelerate.py. Each rank writes what it observed to
 ``--out``.rank<N>.pt: the state right after saving, and the state after loading it into a
-freshly built Accelerator whose model, optimizer and RNG were moved on first.
+freshly built Accelerator whose model, optimizer and RNG were moved on first. With
+``--single URL`` (a checkpoint saved by one process), each rank also loads that one and
+records its model, ``step`` and whether its RNG was left as it was (rank 1 has none saved).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 
@@ -60,7 +63,7 @@ def train(accelerator, model, opt, sched, loader, counter, steps: int) -> None:
 
 def snapshot(accelerator, model, opt, sched, counter) -> dict:
     return {"model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
-            "optim": opt.optimizer.state_dict(), "sched": sched.state_dict(), "counter": counter.n,
+            "optim": copy.deepcopy(opt.optimizer.state_dict()), "sched": sched.state_dict(), "counter": counter.n,
             "step": accelerator.step, "torch_rng": torch.get_rng_state(), "py_rng": random.random(),
             "np_rng": float(np.random.rand())}
 
@@ -70,6 +73,7 @@ def main() -> None:
     p.add_argument("--url", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--storage-options", default=None)
+    p.add_argument("--single", default=None)
     args = p.parse_args()
     opts = json.loads(args.storage_options) if args.storage_options else None
     parts = build(seed=0)
@@ -86,7 +90,13 @@ def main() -> None:
     train(*fresh, steps=1)  # move everything away from the saved state first
     load_state(fresh[0], args.url, storage_options=opts)
     loaded = snapshot(fresh[0], fresh[1], fresh[2], fresh[3], fresh[5])
-    torch.save({"saved": saved, "loaded": loaded}, f"{args.out}.rank{accelerator.process_index}.pt")
+    observed = {"saved": saved, "loaded": loaded}
+    if args.single:
+        rng_before = torch.get_rng_state()
+        load_state(fresh[0], args.single)
+        observed["single"] = {"model": snapshot(*fresh[:4], fresh[5])["model"], "step": fresh[0].step,
+                              "rng_kept": torch.equal(rng_before, torch.get_rng_state())}
+    torch.save(observed, f"{args.out}.rank{accelerator.process_index}.pt")
     accelerator.end_training()
 
 

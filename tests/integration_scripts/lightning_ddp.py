@@ -2,12 +2,14 @@
 
 Run by tests/test_integration_lightning.py as a real subprocess; Lightning's own DDP
 launcher starts the second rank. Rank 0 writes the final model and optimizer state to
-``--out`` so the test can compare runs.
+``--out`` so the test can compare runs; every rank writes the names of the threads still
+running after ``fit`` to ``--out`` + ``.threads<rank>.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 
 import lightning.pytorch as pl
 import torch
@@ -56,7 +58,11 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
                          plugins=[TurboCheckpointIO(opts)], callbacks=[ckpt], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+    before = {t.ident for t in threading.enumerate()}
     trainer.fit(model, data(), ckpt_path=args.resume)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    with open(f"{args.out}.threads{trainer.global_rank}.json", "w") as f:
+        json.dump(left, f)
     if trainer.is_global_zero:
         torch.save({"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
                     "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
