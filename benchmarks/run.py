@@ -10,6 +10,8 @@ Scenarios (see docs/benchmarks.md for what each compares and the targets):
     incremental         second save after 1/8 of the tensors changed, same run
     async-stall         ct.save stall vs bare copy, dcp.async_save, dcp.save; memory
     grouped-load        4 ranks load the same state: bytes served, time, 2 vs 4 ranks
+    coordinator-scale   simulated 256-4,096-rank saves and loads in one process: CPU of the
+                        coordinator path and bytes per rank (--worlds, --workloads)
     all                 every scenario, each in a fresh process, then a summary of ratios
 
 Each scenario prints a table, and writes <out>/<scenario>.json (raw numbers, ratios,
@@ -32,13 +34,13 @@ from .report import Report
 
 SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1024,
            "one-big-replicated": 1024, "incremental": 1024, "async-stall": 1024,
-           "grouped-load": 1024}
+           "grouped-load": 1024, "coordinator-scale": 0}
 REPS = {"local-1p": 3, "s3-1p": 2, "ddp-4r-local": 2, "ddp-4r-s3": 2, "one-big-replicated": 2,
-        "incremental": 2, "async-stall": 2, "grouped-load": 2}
+        "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1}
 
 
 def _scenarios() -> dict[str, Callable[[Any], Report]]:
-    from . import scenarios_dist, scenarios_single
+    from . import coordinator_scale, scenarios_dist, scenarios_single
 
     return {
         "local-1p": scenarios_single.local_1p,
@@ -49,6 +51,7 @@ def _scenarios() -> dict[str, Callable[[Any], Report]]:
         "incremental": scenarios_single.incremental,
         "async-stall": scenarios_single.async_stall,
         "grouped-load": scenarios_dist.grouped_load,
+        "coordinator-scale": coordinator_scale.scenario,
     }
 
 
@@ -77,6 +80,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", choices=["storage", "all"], default="storage",
                    help="grouped-load: TurboReader(verify=...): chunks hashed by the rank that read "
                         "them (default), or again by every rank that receives them")
+    p.add_argument("--worlds", default="256,512,1024",
+                   help="coordinator-scale: simulated world sizes (4096 takes hours and ~20 GiB)")
+    p.add_argument("--workloads", default="hsdp-72b,ddp-3b", help="coordinator-scale: workloads")
+    p.add_argument("--layers", type=int, default=None,
+                   help="coordinator-scale: fewer model layers (a quick check)")
+    p.add_argument("--shard-group", type=int, default=None,
+                   help="coordinator-scale: HSDP ranks per shard group (default 64)")
     p.add_argument("--skip", action="append", default=[], help="all: scenarios to leave out")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)

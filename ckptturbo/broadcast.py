@@ -6,12 +6,15 @@ rank k-1. A chunk of S bytes then reaches L ranks in about S/bw + (L-1)*piece/bw
 of (L-1)*S/bw for the root sending to everyone, and every link carries each byte once.
 Many chains (one per chunk, different heads and orders) run at once to keep all links busy.
 
-Schedule (a pure function of the transfer list, so every rank computes the same one).
-Time is cut into *steps*. A transfer that starts at step ``s0`` sends piece ``i`` over hop
+Schedule (a pure function of the transfer list). Time is cut into *steps*. A transfer that starts at step ``s0`` sends piece ``i`` over hop
 ``j`` (``chain[j] -> chain[j+1]``) at step ``s0 + i + j``: the receiver gets the piece in
 the step before it forwards it. Start steps are assigned greedily in tid order so that no
 rank ever holds more than ``max_inflight`` assembly buffers (see :func:`plan_schedule`).
-Each rank loops over steps: post the step's sends and receives as one batch
+A rank needs only its own :class:`Part` of each transfer it belongs to (the step it sends
+piece 0, its predecessor and successor): :func:`schedule` computes every rank's parts once,
+on a coordinator, so no rank holds the schedule of the whole job (``run_parts``);
+:meth:`ChainBroadcaster.run` is the convenience for callers that have the full list on
+every rank (it extracts this rank's parts itself). Each rank loops over steps: post the step's sends and receives as one batch
 (``batch_isend_irecv``: one NCCL group, or independent gloo operations), then do local
 work while they fly (call sinks of finished transfers, pull the next pieces from sources),
 then wait for the batch. Sources are therefore read one piece ahead of the wire: piece 0 is
@@ -50,8 +53,8 @@ the client's memory bound, not the broadcaster's.
 
 Failures: every wait has a deadline of ``timeout`` seconds from when it starts; a dead or
 stuck peer makes the others raise :class:`~ckptturbo.errors.CommunicationError` naming the
-transfer and the peer. Ranks that pass different transfer lists or settings all raise
-:class:`~ckptturbo.errors.PlanError` before any piece moves (one small all-gather). The head
+transfer and the peer. Ranks that pass different plans or settings all raise
+:class:`~ckptturbo.errors.PlanError` before any piece moves (one all-reduce of a digest). The head
 may block on its source between steps, so ``timeout`` must exceed the slowest piece read.
 Exceptions from ``source`` and ``sink`` propagate unchanged on the rank that raised them.
 Transfers without communication (a chain of one rank, or zero bytes) are done after the
@@ -69,6 +72,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -76,11 +80,11 @@ from .errors import CommunicationError, IntegrityError, PlanError
 
 logger = logging.getLogger(__name__)
 
-Source = Callable[["Transfer"], Iterator[torch.Tensor]]
+Source = Callable[["Part"], Iterator[torch.Tensor]]
 """Yields a head's bytes of a transfer; the tensors must stay unchanged until its sink runs."""
-Sink = Callable[["Transfer", torch.Tensor], None]
+Sink = Callable[["Part", torch.Tensor], None]
 """Receives a complete transfer; it owns the buffer from then on (see the module docstring)."""
-Buffers = Callable[["Transfer"], "torch.Tensor | None"]
+Buffers = Callable[["Part"], "torch.Tensor | None"]
 """Where a receiving rank assembles a transfer (its destination), or None for a buffer of our own."""
 
 _TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
@@ -157,17 +161,114 @@ def plan_schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: 
     return starts
 
 
-def source_order(transfers: Sequence[Transfer], rank: int, piece_size: int,
-                 max_inflight: int) -> list[int]:
-    """The tids ``rank`` heads, in the order :meth:`ChainBroadcaster.run` pulls their
+class Part(NamedTuple):
+    """One rank's part in one transfer: everything it needs to take part, nothing more.
+
+    ``step`` is the step in which this member sends piece 0 (it receives piece ``i`` at
+    ``step - 1 + i``), or ``LOCAL`` for a transfer without communication; ``prev`` and
+    ``next`` are the ranks it receives from and forwards to (``NONE`` for the head and the
+    tail). Rows of :func:`schedule`'s arrays are these five numbers.
+    """
+
+    tid: int
+    nbytes: int
+    step: int
+    prev: int
+    next: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.prev == NONE
+
+
+LOCAL = -1  # Part.step of a transfer that moves nothing between ranks
+NONE = -1  # Part.prev of a head, Part.next of a tail
+
+
+def schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int,
+             world_size: int) -> list[np.ndarray]:
+    """Every rank's parts, computed once (on a coordinator): for each rank an int64 array
+    of shape (n, 5) whose rows are its :class:`Part` fields, in tid order.
+
+    The schedule is :func:`plan_schedule`'s; the arrays are built column-wise, so the cost
+    beyond it is a sort of the job's chain members, not a Python object per member.
+    """
+    validate(transfers, world_size)
+    starts = plan_schedule(transfers, piece_size, max_inflight)
+    ordered = sorted(transfers, key=lambda t: t.tid)
+    lengths = np.fromiter((len(t.chain) for t in ordered), dtype=np.int64, count=len(ordered))
+    total = int(lengths.sum())
+    members = np.fromiter((r for t in ordered for r in t.chain), dtype=np.int64, count=total)
+    first = np.cumsum(lengths) - lengths  # index of each transfer's head in `members`
+    pos = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
+    start = np.fromiter((starts.get(t.tid, LOCAL) for t in ordered), dtype=np.int64,
+                        count=len(ordered))
+    start = np.repeat(start, lengths)
+    local = start == LOCAL
+    rows = np.empty((total, 5), dtype=np.int64)
+    rows[:, 0] = np.repeat(np.fromiter((t.tid for t in ordered), dtype=np.int64,
+                                       count=len(ordered)), lengths)
+    rows[:, 1] = np.repeat(np.fromiter((t.nbytes for t in ordered), dtype=np.int64,
+                                       count=len(ordered)), lengths)
+    rows[:, 2] = np.where(local, LOCAL, start + pos)
+    prev = np.empty(total, dtype=np.int64)
+    prev[1:] = members[:-1]
+    prev[pos == 0] = NONE
+    # the members of a local transfer only take an empty sink from its head
+    prev[local & (pos > 0)] = np.repeat(members[first], lengths)[local & (pos > 0)]
+    nxt = np.empty(total, dtype=np.int64)
+    nxt[:-1] = members[1:]
+    nxt[(pos == np.repeat(lengths, lengths) - 1) | local] = NONE
+    rows[:, 3], rows[:, 4] = prev, nxt
+    order = np.argsort(members, kind="stable")  # stable: tid order within a rank
+    counts = np.bincount(members, minlength=world_size)
+    return np.split(rows[order], np.cumsum(counts)[:-1])
+
+
+def parts_of(rows: np.ndarray) -> list[Part]:
+    """A rank's parts from its rows of :func:`schedule`."""
+    return [Part(*row) for row in rows.tolist()]
+
+
+def own_parts(transfers: Sequence[Transfer], rank: int, piece_size: int,
+              max_inflight: int) -> list[Part]:
+    """``rank``'s parts, from the whole transfer list (what :meth:`ChainBroadcaster.run`
+    does on every rank; a coordinator that plans for all ranks uses :func:`schedule`)."""
+    starts = plan_schedule(transfers, piece_size, max_inflight)
+    out = []
+    for t in sorted(transfers, key=lambda t: t.tid):
+        if rank not in t.chain:
+            continue
+        pos, chain = t.chain.index(rank), t.chain
+        prev = chain[pos - 1] if pos else NONE
+        if t.tid not in starts:
+            out.append(Part(t.tid, t.nbytes, LOCAL, chain[0] if pos else NONE, NONE))
+        else:
+            nxt = chain[pos + 1] if pos + 1 < len(chain) else NONE
+            out.append(Part(t.tid, t.nbytes, starts[t.tid] + pos, prev, nxt))
+    return out
+
+
+def source_order_of(parts: Sequence[Part]) -> list[int]:
+    """The tids a rank heads, in the order :meth:`ChainBroadcaster.run_parts` pulls their
     sources: chains by start step (then tid), then transfers without communication by tid.
     A prefetcher that reads in this order always has the next source's bytes coming first.
     """
-    starts = plan_schedule(transfers, piece_size, max_inflight)
-    chained = sorted((starts[t.tid], t.tid) for t in transfers
-                     if needs_communication(t) and t.chain[0] == rank)
-    local = sorted(t.tid for t in transfers if not needs_communication(t) and t.chain[0] == rank)
+    chained = sorted((p.step, p.tid) for p in parts if p.is_head and p.step != LOCAL)
+    local = sorted(p.tid for p in parts if p.is_head and p.step == LOCAL)
     return [tid for _, tid in chained] + local
+
+
+def source_order(transfers: Sequence[Transfer], rank: int, piece_size: int,
+                 max_inflight: int) -> list[int]:
+    """:func:`source_order_of` the parts ``rank`` has in ``transfers``."""
+    return source_order_of(own_parts(transfers, rank, piece_size, max_inflight))
+
+
+def plan_digest(transfers: Sequence[Transfer]) -> int:
+    """A 56-bit digest of a whole transfer list (the same on every rank that has it)."""
+    plan = sorted((t.tid, t.nbytes, t.chain) for t in transfers)
+    return int.from_bytes(hashlib.blake2b(repr(plan).encode(), digest_size=7).digest(), "little")
 
 
 def validate(transfers: Sequence[Transfer], world_size: int) -> None:
@@ -184,6 +285,17 @@ def validate(transfers: Sequence[Transfer], world_size: int) -> None:
                             f"of a group of {world_size}")
 
 
+def _validate_parts(parts: Sequence[Part], world_size: int) -> None:
+    """Reject parts no schedule produced (what a rank can check of its own share)."""
+    seen: set[int] = set()
+    for p in parts:
+        if p.tid in seen:
+            raise PlanError(f"transfer {p.tid}: this rank has two parts in it")
+        seen.add(p.tid)
+        if p.nbytes < 0 or not (NONE <= p.prev < world_size and NONE <= p.next < world_size):
+            raise PlanError(f"transfer {p.tid}: malformed part {tuple(p)} for a group of {world_size}")
+
+
 class _Op(NamedTuple):
     tid: int
     piece: int
@@ -197,18 +309,17 @@ class _Op(NamedTuple):
 
 
 class _Role:
-    """This rank's part in one scheduled transfer: its position, buffer and source."""
+    """This rank's part in one scheduled transfer, with its buffer and source."""
 
-    def __init__(self, transfer: Transfer, pos: int, start: int, piece_size: int) -> None:
-        self.transfer = transfer
-        self.pos = pos
-        self.start = start
+    def __init__(self, part: Part, piece_size: int) -> None:
+        self.transfer = part
+        self.step = part.step
         self.piece_size = piece_size
-        self.npieces = npieces(transfer.nbytes, piece_size)
-        self.is_head = pos == 0
-        self.is_tail = pos == len(transfer.chain) - 1
-        self.alloc_step = alloc_step(start, pos)
-        self.last_step = last_step(start, self.npieces, pos, len(transfer.chain))
+        self.npieces = npieces(part.nbytes, piece_size)
+        self.is_head = part.prev == NONE
+        self.is_tail = part.next == NONE
+        self.alloc_step = part.step - 1  # the head prefills; the others receive piece 0
+        self.last_step = part.step + self.npieces - 1 - (1 if self.is_tail else 0)
         self.buffer: torch.Tensor | None = None
         self.filler: _Filler | None = None
 
@@ -219,13 +330,13 @@ class _Role:
     def ops(self, step: int) -> list[_Op]:
         """The receive and/or send this member posts at ``step`` (receive first: it is
         for a later piece than the send, and order within a batch does not matter)."""
-        t, ops = self.transfer, []
-        i = step - (self.start + self.pos - 1)
+        p, ops = self.transfer, []
+        i = step - (self.step - 1)
         if not self.is_head and 0 <= i < self.npieces:
-            ops.append(_Op(t.tid, i, t.chain[self.pos - 1], False, self.piece(i)))
-        i = step - (self.start + self.pos)
+            ops.append(_Op(p.tid, i, p.prev, False, self.piece(i)))
+        i = step - self.step
         if not self.is_tail and 0 <= i < self.npieces:
-            ops.append(_Op(t.tid, i, t.chain[self.pos + 1], True, self.piece(i)))
+            ops.append(_Op(p.tid, i, p.next, True, self.piece(i)))
         return ops
 
 
@@ -237,7 +348,7 @@ class _Filler:
     Head buffers are only ever sent from and handed to the sink, never written to.
     """
 
-    def __init__(self, transfer: Transfer, device: torch.device, source: Source) -> None:
+    def __init__(self, transfer: Part, device: torch.device, source: Source) -> None:
         self.transfer = transfer
         self.device = device
         self.buffer: torch.Tensor | None = None
@@ -304,31 +415,45 @@ class ChainBroadcaster:
             buffers: Buffers | None = None) -> None:
         """Deliver every transfer this rank belongs to; call ``sink`` once for each.
 
-        Every rank calls run() with the same transfers in the same order. On a chain head
+        Every rank calls run() with the same transfers (it computes its own parts of the
+        schedule from them; see :meth:`run_parts` for what each call does). On a chain head
         ``source(t)`` yields the bytes as uint8 tensors of any sizes (cut here into
         ``piece_size`` pieces); every member, head included, gets ``sink(t, buffer)`` with
         the whole transfer in one uint8 tensor of ``nbytes`` on ``device``, once it is
         complete, and owns it from then on (see "Buffer ownership" in the module docstring);
         on the head it may be the very tensor the source yielded. On a receiving rank,
         ``buffers(t)`` may name the uint8 tensor of ``nbytes`` on ``device`` to receive
-        into (None: one of the broadcaster's own).
+        into (None: one of the broadcaster's own). ``t`` is this rank's :class:`Part`.
         """
+        rank, world = self._rank_and_world()
+        validate(transfers, world)
+        parts = own_parts(transfers, rank, self.piece_size, self.max_inflight)
+        chained = any(needs_communication(t) for t in transfers)
+        self.run_parts(parts, source, sink, buffers, plan_id=plan_digest(transfers) if chained else None)
+
+    def run_parts(self, parts: Sequence[Part], source: Source, sink: Sink,
+                  buffers: Buffers | None = None, *, plan_id: int | None) -> None:
+        """Take this rank's ``parts`` (from :func:`schedule`, made with this broadcaster's
+        ``piece_size`` and ``max_inflight``) through the step loop; ``source``, ``sink``
+        and ``buffers`` as in :meth:`run`. ``plan_id`` names the plan the parts come from,
+        the same on every rank: all ranks then check, in one collective, that they run the
+        same plan with the same settings. None only when no transfer of the plan
+        communicates (then no rank may pass one)."""
         began = time.monotonic()
         self._device = self.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self._device = torch.device("cuda", torch.cuda.current_device())
         rank, world = self._rank_and_world()
-        validate(transfers, world)
+        _validate_parts(parts, world)
         self.stats = dict.fromkeys(("bytes_sent", "bytes_received", "pieces_sent",
                                     "pieces_received", "transfers", "steps"), 0)
-        self.stats["transfers"] = sum(rank in t.chain for t in transfers)
-        chained = [t for t in transfers if needs_communication(t)]
-        if chained:
-            self._check_same_plan(transfers)
-            self._run_chains(chained, rank, source, sink, buffers)
-        for t in sorted(transfers, key=lambda t: t.tid):
-            if not needs_communication(t) and rank in t.chain:
-                self._run_local(t, rank, source, sink)
+        self.stats["transfers"] = len(parts)
+        if plan_id is not None:
+            self._check_same_plan(plan_id)
+            self._run_chains([p for p in parts if p.step != LOCAL], source, sink, buffers)
+        for p in sorted(parts, key=lambda p: p.tid):
+            if p.step == LOCAL:
+                self._run_local(p, source, sink)
         self.stats["seconds"] = time.monotonic() - began
         logger.debug("rank %d: chain broadcast done: %s", rank, self.stats)
 
@@ -342,32 +467,35 @@ class ChainBroadcaster:
             raise ValueError("this process is not a member of the broadcaster's group")
         return rank, dist.get_world_size(self.group)
 
-    def _check_same_plan(self, transfers: Sequence[Transfer]) -> None:
-        """Make sure every rank passed the same transfers and settings.
+    def _check_same_plan(self, plan_id: int) -> None:
+        """Make sure every rank runs the same plan with the same settings.
 
-        Different lists would pair sends with the wrong receives; one small collective turns
-        that misuse into an error. It also initialises NCCL communicators on all ranks
-        before the first batched send, which NCCL requires.
+        Different plans would pair sends with the wrong receives; one small all-reduce (the
+        maximum of the digest and of its negation) turns that misuse into an error on every
+        rank, and only then does an all-gather name the ranks that differ. It also
+        initialises NCCL communicators on all ranks before the first batched send, which
+        NCCL requires.
         """
-        plan = sorted((t.tid, t.nbytes, t.chain) for t in transfers)  # order is by tid anyway
-        digest = hashlib.blake2b(repr((self.piece_size, self.max_inflight, plan)).encode(),
+        digest = hashlib.blake2b(repr((self.piece_size, self.max_inflight, plan_id)).encode(),
                                  digest_size=7).digest()
-        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=self._device)
-        world = dist.get_world_size(self.group)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        mine = int.from_bytes(digest, "little")
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._device)
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._wait(work, "checking that all ranks run the same transfers", time.monotonic())
-        differ = [r for r, g in enumerate(gathered) if g.item() != mine.item()]
-        if differ:
-            raise PlanError(f"ranks {differ} called run() with different transfers or settings "
-                            f"(piece_size, max_inflight) than rank {dist.get_rank(self.group)}")
+        if both[0].item() == -both[1].item() == mine:
+            return
+        one = torch.tensor([mine], dtype=torch.int64, device=self._device)
+        gathered = [torch.empty_like(one) for _ in range(dist.get_world_size(self.group))]
+        work = dist.all_gather(gathered, one, group=self.group, async_op=True)
+        self._wait(work, "naming the ranks that run other transfers", time.monotonic())
+        differ = [r for r, g in enumerate(gathered) if g.item() != mine]
+        raise PlanError(f"ranks {differ} called run() with different transfers or settings "
+                        f"(piece_size, max_inflight) than rank {dist.get_rank(self.group)}")
 
-    def _run_chains(self, transfers: list[Transfer], rank: int, source: Source, sink: Sink,
+    def _run_chains(self, parts: list[Part], source: Source, sink: Sink,
                     buffers: Buffers | None) -> None:
         """The step loop: post a step's batch, do local work while it flies, wait for it."""
-        starts = plan_schedule(transfers, self.piece_size, self.max_inflight)
-        roles = [_Role(t, t.chain.index(rank), starts[t.tid], self.piece_size)
-                 for t in transfers if rank in t.chain]
+        roles = [_Role(p, self.piece_size) for p in parts]
         if not roles:
             return
         by_alloc = sorted(roles, key=lambda r: (r.alloc_step, r.transfer.tid))
@@ -387,7 +515,7 @@ class ChainBroadcaster:
             self._prefill(active, step)
             self._complete(ops, works)
 
-    def _receive_buffer(self, t: Transfer, buffers: Buffers | None) -> torch.Tensor:
+    def _receive_buffer(self, t: Part, buffers: Buffers | None) -> torch.Tensor:
         given = buffers(t) if buffers is not None else None
         if given is None:
             return torch.empty(t.nbytes, dtype=torch.uint8, device=self._device)
@@ -399,7 +527,7 @@ class ChainBroadcaster:
     def _prefill(self, active: list[_Role], step: int) -> None:
         """Get from the sources the pieces heads send in the next step (overlaps the wire)."""
         for role in active:
-            i = step + 1 - role.start
+            i = step + 1 - role.step
             if role.is_head and 0 <= i < role.npieces:
                 assert role.filler is not None
                 role.filler.fill(min((i + 1) * self.piece_size, role.transfer.nbytes))
@@ -448,15 +576,15 @@ class ChainBroadcaster:
         if done is False:
             raise CommunicationError(f"{what}: timed out after {self.timeout:g} s")
 
-    def _run_local(self, t: Transfer, rank: int, source: Source, sink: Sink) -> None:
+    def _run_local(self, p: Part, source: Source, sink: Sink) -> None:
         """A transfer nobody waits on: chain of one, or zero bytes. No communication."""
-        if t.chain[0] != rank:
-            sink(t, torch.empty(0, dtype=torch.uint8, device=self._device))
+        if not p.is_head:
+            sink(p, torch.empty(0, dtype=torch.uint8, device=self._device))
             return
-        filler = _Filler(t, self._device, source)
-        filler.fill(t.nbytes)
+        filler = _Filler(p, self._device, source)
+        filler.fill(p.nbytes)
         assert filler.buffer is not None
-        sink(t, filler.buffer)
+        sink(p, filler.buffer)
 
 
 def _due(queue: deque[_Role], step: int) -> Iterator[_Role]:

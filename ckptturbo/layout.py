@@ -247,8 +247,7 @@ class Manifest:
             "chunks": self.chunks,
             "items": {fqn: item.to_json() for fqn, item in self.items.items()},
         }
-        doc[CHECKSUM_FIELD] = chunk_id(_canonical(doc))
-        return _canonical(doc)
+        return _with_checksum(_canonical(doc))
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "Manifest":
@@ -261,7 +260,9 @@ class Manifest:
         if doc.get("version") not in READABLE_VERSIONS:
             raise FormatError(f"{where} has format version {doc.get('version')!r}; "
                               f"this ckptturbo reads versions {READABLE_VERSIONS}")
-        _check_checksum(doc, where)
+        if not _checksum_of_bytes_holds(data, doc):
+            _check_checksum(doc, where)
+        doc.pop(CHECKSUM_FIELD, None)
         chunks = doc.get("chunks")
         if not isinstance(chunks, dict):
             raise FormatError(f"{where}: 'chunks' must be an object")
@@ -409,6 +410,28 @@ def _canonical(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
+_CHECKSUM_PREFIX = b'{"' + CHECKSUM_FIELD.encode() + b'":"'
+
+
+def _with_checksum(body: bytes) -> bytes:
+    """A canonical document with its checksum added, without serialising it again: the
+    checksum field sorts first among the manifest's keys, so it goes right after "{"."""
+    return _CHECKSUM_PREFIX + chunk_id(body).encode() + b'",' + body[1:]
+
+
+def _checksum_of_bytes_holds(data: bytes, doc: dict[str, Any]) -> bool:
+    """The quick check: the stored bytes are exactly what ``_with_checksum`` wrote, and the
+    checksum matches the bytes after it (no second serialisation). False when the file is
+    laid out otherwise; then the parsed document is checked (``_check_checksum``)."""
+    stored = doc.get(CHECKSUM_FIELD)
+    if not isinstance(stored, str) or not data.startswith(_CHECKSUM_PREFIX):
+        return False
+    head = len(_CHECKSUM_PREFIX) + len(stored)
+    if data[len(_CHECKSUM_PREFIX):head] != stored.encode() or data[head:head + 2] != b'",':
+        return False
+    return chunk_id(b"{" + data[head + 2:]) == stored
+
+
 def _check_checksum(doc: dict[str, Any], where: str) -> None:
     """Refuse a manifest whose content differs from what was committed, before any of
     its offsets is trusted: chunks are verified by their ids, but a flipped digit in a
@@ -452,14 +475,6 @@ class ShardPart:
     chunk_sizes: dict[str, int]
     written: int = 0
     reused: int = 0
-    fingerprint: str | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaPrint:
-    """A replica a rank holds but did not write: only its fingerprint, for the replica check."""
-
-    fingerprint: str
 
 
 def build_manifest(metadata: Metadata, parts: dict[MetadataIndex, list[ShardPart]], *,

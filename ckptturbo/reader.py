@@ -4,16 +4,20 @@ Metadata comes from the JSON manifest (nothing stored is unpickled by the reader
 Each rank works out which chunks its read items touch; with a process group and
 ``broadcast=True`` the coordinator assigns every chunk to one reader among the ranks that
 need it and the others receive it down a pipelined chain (``broadcast.py``), so storage
-serves each chunk once however many ranks load it. Every chunk is checked against its
+serves each chunk once however many ranks load it. The coordinator schedules the chains
+once and sends each rank only its own part (``ReadChains``: its chunks, and its
+predecessor and successor in each chain), in a compact form. Every chunk is checked against its
 BLAKE3 id by the rank that read it from storage, before any of its bytes reach a tensor
 or a peer.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import os
+from array import array
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -24,12 +28,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
 from .chunk_source import ChunkSource
-from .errors import MismatchError
+from .broadcast import Part, Transfer, needs_communication, schedule
+from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
 from .layout import Location, Manifest, ShardRecord
-from .plan import ChainAssignment, ReadNeed, chunks_touched, plan_reads
+from .plan import ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
-from .readonce import Arrivals, ChainSettings, ReadOnce
+from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
 from .session import wait_for_saves
 from .staging import DeviceCopier, as_uint8
 
@@ -37,12 +42,30 @@ if TYPE_CHECKING:
     from .session import Session
 
 
-@dataclass(frozen=True)
-class ReadChains:
-    """The coordinator's read plan, the same on every rank: who reads each chunk, and
-    the chain that forwards it."""
+class LocalReads(NamedTuple):
+    """What a rank adds to its local load plan: the manifest ordinals of the chunks its
+    items touch (int32, native order), and its item list itself (pickled as a reference to
+    the plan's own list, so it costs nothing on the wire; the coordinator uses it to see
+    whether the planner left a rank's items as the rank sent them)."""
 
-    assignments: tuple[ChainAssignment, ...]
+    items: list[ReadItem]
+    needs: bytes
+
+
+class ReadChains(NamedTuple):
+    """One rank's part of the coordinator's read plan: only what this rank does.
+
+    ``parts`` holds int32 rows (chunk ordinal, step, predecessor, successor) of
+    :class:`~ckptturbo.broadcast.Part` (sizes come from the manifest), for the chunks this
+    rank reads from storage (it heads their chain) or receives; ``plan_id`` is the same on
+    every rank of the load; ``items_as_sent``: the plan's items were left out because the
+    rank already has them (its local plan, unchanged by the planner)."""
+
+    plan_id: int | None
+    piece_size: int
+    max_inflight: int
+    items_as_sent: bool
+    parts: bytes
 
 
 class TurboReader(StorageReader):
@@ -124,6 +147,7 @@ class TurboReader(StorageReader):
         self._manifest: Manifest | None = None
         self._shards: dict[MetadataIndex, ShardRecord] = {}
         self._chunk_sizes: dict[str, int] = {}
+        self._local_items: list[ReadItem] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -191,7 +215,14 @@ class TurboReader(StorageReader):
         self._chunk_sizes = dict(self.read_manifest().chunks)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """With chained loads, tell the coordinator which chunks this rank needs (computed
+        here, where the items are, not on the coordinator for every rank)."""
+        self._local_items = plan.items
+        if not (dist.is_initialized() and self._broadcasting()):
+            return plan
+        ordinal = self._chunk_ordinals()
+        needs = array("i", (ordinal[cid] for cid in self._chunks_of(plan.items)))
+        return dataclasses.replace(plan, storage_data=LocalReads(plan.items, needs.tobytes()))
 
     def _broadcasting(self) -> bool:
         if self.broadcast == "auto":
@@ -199,22 +230,56 @@ class TurboReader(StorageReader):
         return bool(self.broadcast)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Who reads each chunk from storage and the chain that forwards it, scheduled once
+        here; each rank gets back only its own parts (and not the items it sent)."""
         if not self._broadcasting() or len(plans) < 2:
-            return plans
-        needers: dict[str, set[int]] = defaultdict(set)
-        for rank, plan in enumerate(plans):
-            for cid in self._chunks_of(plan.items):
-                needers[cid].add(rank)
-        needs = [ReadNeed(cid, self._chunk_sizes[cid], tuple(sorted(ranks)))
-                 for cid, ranks in sorted(needers.items())]
-        chains = ReadChains(tuple(plan_reads(needs, len(plans))))
-        return [dataclasses.replace(p, storage_data=chains) for p in plans]
+            return [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, LocalReads)
+                    else p for p in plans]
+        ids = list(self._chunk_sizes)
+        sizes = np.fromiter(self._chunk_sizes.values(), dtype=np.int64, count=len(ids))
+        ordinal = self._chunk_ordinals()
+        per_rank = []
+        for plan in plans:
+            sent = plan.storage_data
+            if isinstance(sent, LocalReads):
+                per_rank.append(np.frombuffer(sent.needs, dtype=np.int32))
+            else:  # a plan that did not pass through prepare_local_plan
+                per_rank.append(np.array([ordinal[c] for c in self._chunks_of(plan.items)], np.int32))
+        counts = np.fromiter((len(n) for n in per_rank), dtype=np.int64, count=len(per_rank))
+        chunk = np.concatenate(per_rank) if per_rank else np.empty(0, np.int32)
+        rank = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
+        order = np.lexsort((rank, chunk))  # by chunk, then rank: needers ascending
+        chunk, rank = chunk[order], rank[order]
+        bounds = np.flatnonzero(np.diff(chunk)) + 1
+        firsts = np.concatenate(([0], bounds)) if len(chunk) else bounds
+        needers = np.split(rank, bounds) if len(chunk) else []
+        needs = [ReadNeed(ids[c], int(sizes[c]), tuple(r.tolist()))
+                 for c, r in zip(chunk[firsts].tolist(), needers)]
+        assignments = plan_reads(needs, len(plans))
+        transfers = [Transfer(ordinal[a.chunk], a.nbytes, a.chain) for a in assignments]
+        settings = ChainSettings(self.piece_size)
+        rows = schedule(transfers, settings.piece_size, settings.max_inflight, len(plans))
+        chained = any(needs_communication(t) for t in transfers)
+        plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
+        out = []
+        for plan, mine in zip(plans, rows):
+            as_sent = isinstance(plan.storage_data, LocalReads) and plan.items is plan.storage_data.items
+            wire = np.ascontiguousarray(mine[:, [0, 2, 3, 4]], dtype=np.int32).tobytes()
+            chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent, wire)
+            out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items, storage_data=chains))
+        return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         manifest = self.read_manifest()
-        jobs = [make_job(item, self._shard(item), _stored_dtype(manifest, item), planner)
-                for item in plan.items]
         chains = plan.storage_data if isinstance(plan.storage_data, ReadChains) else None
+        items = plan.items
+        if chains is not None and chains.items_as_sent:
+            if self._local_items is None:
+                raise CkptTurboError("TurboReader.read_data got a plan whose items stayed on "
+                                     "this rank, but this reader prepared no local plan")
+            items = self._local_items
+        jobs = [make_job(item, self._shard(item), _stored_dtype(manifest, item), planner)
+                for item in items]
         if chains is not None and dist.is_initialized():
             self._load_chained(jobs, chains, planner)
         else:
@@ -230,6 +295,14 @@ class TurboReader(StorageReader):
         except KeyError:
             raise MismatchError(f"{item.storage_index.fqn!r}: the checkpoint has no shard at "
                                 f"offset {tuple(item.storage_index.offset or ())}") from None
+
+    def _chunk_ordinals(self) -> dict[str, int]:
+        """Chunk id -> its position in the manifest's chunk table (the same on every rank)."""
+        table = self._chunk_sizes
+        if getattr(self, "_ordinals_of", None) is not table:
+            self._ordinal = {cid: i for i, cid in enumerate(table)}
+            self._ordinals_of = table
+        return self._ordinal
 
     def _chunks_of(self, items: list[ReadItem]) -> list[str]:
         return chunks_touched((self._shard(i).pieces, *item_span(self._shard(i), i)) for i in items)
@@ -259,6 +332,13 @@ class TurboReader(StorageReader):
             prefetcher.close()
             copier.close()
 
+    def chain_batch(self, chains: ReadChains) -> RankBatch:
+        """This rank's parts of the read plan, as the read-once engine takes them."""
+        ids = list(self._chunk_sizes)
+        rows = np.frombuffer(chains.parts, dtype=np.int32).reshape(-1, 4).tolist()
+        parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt) for tid, step, prev, nxt in rows]
+        return RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
+
     def _load_chained(self, jobs: list[Job], chains: ReadChains, planner: LoadPlanner) -> None:
         """Chunks arrive from storage (this rank heads their chain) or from a peer, through
         the read-once engine; only the chunks this rank's items use are consumed."""
@@ -277,14 +357,14 @@ class TurboReader(StorageReader):
         into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()
         chunks = self.chunks
-        engine = ReadOnce([chains.assignments], group=transport.group,
+        engine = ReadOnce([self.chain_batch(chains)], group=transport.group,
                           fetch=lambda cid: chunks.fetch_into(cid, into), into=into.get,
                           deliver=deliver, done=arrivals.finish, submit=store.submit,
                           budget=MemoryBudget(self.read_ahead_bytes), streams=store.max_workers,
                           check=chunks.check if self.verify_mode != "off" else None,
                           check_all=self.verify_mode == "all",
-                          settings=ChainSettings(self.piece_size, timeout=self.timeout,
-                                                 device=transport.device))
+                          settings=ChainSettings(chains.piece_size, chains.max_inflight,
+                                                 timeout=self.timeout, device=transport.device))
         engine.start()
         try:  # a chunk is dropped once used
             consume(jobs, arrivals, self._finisher(planner, copier), lambda cid: None, copier)

@@ -7,12 +7,15 @@ its chain as :func:`ckptturbo.plan.plan_reads` chose it, and
 :class:`~ckptturbo.broadcast.ChainBroadcaster` forwards it to every other rank that needs
 it, in pipelined pieces.
 
-Division of work. The caller plans (the same batches of ``ChainAssignment`` on every rank)
-and says how to read one unit from storage (``fetch``, which also verifies what it read)
-and what to do with a delivered one (``deliver``). The engine, in one background thread
-per rank, runs the broadcaster batch by batch; each head reads its units through the one
+Division of work. The caller plans: either every rank passes the same batches of
+``ChainAssignment`` (the whole job; each rank extracts its own parts), or each rank passes
+its own :class:`RankBatch` (its parts of the schedule a coordinator computed once, as
+TurboReader does: no rank then holds the plan of the whole job). It says how to read one
+unit from storage (``fetch``, which also verifies what it read) and what to do with a
+delivered one (``deliver``). The engine, in one background thread per rank, runs the
+broadcaster batch by batch; each head reads its units through the one
 :class:`~ckptturbo.prefetch.Prefetcher`, in the order the broadcaster will send them
-(:func:`~ckptturbo.broadcast.source_order`), ``streams`` at a time within ``budget``.
+(:func:`~ckptturbo.broadcast.source_order_of`), ``streams`` at a time within ``budget``.
 
 Units travel in buffers on ``settings.device``: host memory (gloo), or CUDA memory over
 NCCL, in which case a head copies what it read to the device through the pinned ring of
@@ -48,11 +51,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .broadcast import ChainBroadcaster, Transfer, source_order
+from .broadcast import (ChainBroadcaster, Part, Transfer, needs_communication, own_parts, plan_digest,
+                        source_order_of)
 from .errors import CkptTurboError
 from .plan import ChainAssignment
 from .prefetch import MemoryBudget, Prefetcher, Read
@@ -76,11 +81,32 @@ class ChainSettings:
     device: torch.device = torch.device("cpu")  # where chain buffers live: "cpu" or a CUDA device
 
 
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's share of one batch: its parts, the unit key of each, and the id of the
+    plan they belong to (the same on every rank; None when no transfer communicates)."""
+
+    parts: Sequence[Part]
+    keys: dict[int, str]
+    plan_id: int | None
+
+    @classmethod
+    def of(cls, batch: Sequence[ChainAssignment], rank: int, first_tid: int,
+           settings: ChainSettings) -> "RankBatch":
+        """This rank's share of a batch every rank has whole (tids from ``first_tid``)."""
+        transfers = [Transfer(first_tid + i, a.nbytes, a.chain) for i, a in enumerate(batch)]
+        parts = own_parts(transfers, rank, settings.piece_size, settings.max_inflight)
+        chained = any(needs_communication(t) for t in transfers)
+        keys = {first_tid + i: a.chunk for i, a in enumerate(batch)}
+        return cls(parts, keys, plan_digest(transfers) if chained else None)
+
+
 class ReadOnce:
     """One read-once pass over ``batches`` on this rank; see the module docstring.
 
     Args:
-        batches: consecutive groups of units, identical on every rank of ``group``.
+        batches: consecutive groups of units: the same ``ChainAssignment`` lists on every
+            rank of ``group``, or each rank's own :class:`RankBatch`.
         group: the process group the chains use (ranks in assignments are group ranks).
         fetch: reads one unit this rank heads from storage, verified; run on ``submit``.
         deliver: gets every unit this rank needs, in the engine's thread, as it arrives.
@@ -90,18 +116,19 @@ class ReadOnce:
         check: verifies a unit received from a peer (None: trust the head's check); run
             on all-zero units, or on every unit with ``check_all`` (a CUDA unit is copied
             to the host for it).
-        reserve: called before each batch; False stops the pass.
+        reserve: called before each batch (with the batch as given); False stops the pass.
         into: where a unit's bytes should end up on this rank (a uint8 tensor of its size on
             the chain's device, its final destination) or None; such a unit is received
             straight into it, and a CUDA head copies its bytes there (a host head's ``fetch``
             reads into host destinations itself). The tensor is what ``deliver`` then gets.
     """
 
-    def __init__(self, batches: Sequence[Sequence[ChainAssignment]], *, group: dist.ProcessGroup | None,
+    def __init__(self, batches: Sequence[Sequence[ChainAssignment] | RankBatch], *,
+                 group: dist.ProcessGroup | None,
                  fetch: Fetch, deliver: Deliver, done: Callable[[BaseException | None], None],
                  submit: Callable[..., Future], budget: MemoryBudget, streams: int,
                  check: Check | None = None, check_all: bool = False,
-                 reserve: Callable[[Sequence[ChainAssignment]], bool] | None = None,
+                 reserve: Callable[[Any], bool] | None = None,
                  into: Callable[[str], torch.Tensor | None] | None = None,
                  settings: ChainSettings = ChainSettings()) -> None:
         self.rank = dist.get_rank(group)
@@ -114,20 +141,20 @@ class ReadOnce:
                                             max_inflight=settings.max_inflight, timeout=settings.timeout,
                                             device=settings.device)
         self._copier = DeviceCopier()
-        self._batches: list[list[Transfer]] = []
-        self._keys: list[str] = []
+        self._given = list(batches)
+        self._batches: list[RankBatch] = []
+        self._keys: dict[int, str] = {}
         heads: list[Read] = []
-        for b, batch in enumerate(batches):
-            transfers = []
-            for a in batch:
-                transfers.append(Transfer(len(self._keys), a.nbytes, a.chain))
-                self._keys.append(a.chunk)
+        for b, batch in enumerate(self._given):
+            if not isinstance(batch, RankBatch):
+                batch = RankBatch.of(batch, self.rank, len(self._keys), settings)
+            self._keys.update(batch.keys)
+            sizes = {p.tid: p.nbytes for p in batch.parts}
             # the prefetcher's "file" is the batch, counted from 1: nothing is read before
             # the first batch has been reserved (at_file(1))
-            for tid in source_order(transfers, self.rank, settings.piece_size, settings.max_inflight):
-                heads.append(Read(tid, b + 1, self._keys[tid], 0, transfers[tid - transfers[0].tid].nbytes))
-            self._batches.append(transfers)
-        self._assignments = [list(batch) for batch in batches]
+            for tid in source_order_of(batch.parts):
+                heads.append(Read(tid, b + 1, self._keys[tid], 0, sizes[tid]))
+            self._batches.append(batch)
         self._heads = {r.index: r for r in heads}
         self.prefetcher = Prefetcher(heads, self._fetch_read, submit, budget, streams=streams, lookahead=1)
         self._failed: set[int] = set()
@@ -158,11 +185,12 @@ class ReadOnce:
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
         self.prefetcher.start()
         try:
-            for b, (batch, transfers) in enumerate(zip(self._assignments, self._batches)):
-                if self._closed or (self._reserve is not None and not self._reserve(batch)):
+            for b, (given, batch) in enumerate(zip(self._given, self._batches)):
+                if self._closed or (self._reserve is not None and not self._reserve(given)):
                     break
                 self.prefetcher.at_file(b + 1)
-                self.broadcaster.run(transfers, self._source, self._sink, self._destination)
+                self.broadcaster.run_parts(batch.parts, self._source, self._sink, self._destination,
+                                           plan_id=batch.plan_id)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer through done()
             log.debug("rank %d: read-once pass failed: %s", self.rank, exc)
             self.failures.insert(0, exc)
@@ -171,7 +199,7 @@ class ReadOnce:
             self._copier.close()
             self._done(self.failures[0] if self.failures else None)
 
-    def _source(self, t: Transfer) -> Iterator[torch.Tensor]:
+    def _source(self, t: Part) -> Iterator[torch.Tensor]:
         read = self._heads[t.tid]
         try:
             wire = self._to_wire(read.result(), self._destination(t))
@@ -183,7 +211,7 @@ class ReadOnce:
             self.prefetcher.release(read)  # the broadcaster holds the bytes now
         yield wire
 
-    def _destination(self, t: Transfer) -> torch.Tensor | None:
+    def _destination(self, t: Part) -> torch.Tensor | None:
         return self._into(self._keys[t.tid]) if self._into is not None else None
 
     def _to_wire(self, data: Buffer, destination: torch.Tensor | None) -> torch.Tensor:
@@ -196,7 +224,7 @@ class ReadOnce:
         self._copier.finish(self.device)  # sends are queued on the current stream
         return buffer
 
-    def _sink(self, t: Transfer, buffer: torch.Tensor) -> None:
+    def _sink(self, t: Part, buffer: torch.Tensor) -> None:
         if t.tid in self._failed:
             return
         key = self._keys[t.tid]
@@ -208,8 +236,8 @@ class ReadOnce:
                 return
         self._deliver(key, buffer)
 
-    def _must_check(self, t: Transfer, buffer: torch.Tensor) -> bool:
-        if t.chain[0] == self.rank or self._check is None:
+    def _must_check(self, t: Part, buffer: torch.Tensor) -> bool:
+        if t.is_head or self._check is None:
             return False
         return self._check_all or not bool(buffer.any())
 

@@ -7,7 +7,7 @@ generation), brings the run's chunk index up to that generation, and only then h
 each chunk, skips those the store already holds and uploads the rest on the store's I/O
 pool. A pool smaller than the state stages in waves: when it is full, the uploads that
 free it must start, so the announcement happens then (staging cannot finish without it).
-Results are typed: one ``ShardPart`` per entry and a ``SaveStats``.
+Results: each entry's stored pieces (``save_plan.encode_results`` packs them) and a ``SaveStats``.
 """
 from __future__ import annotations
 
@@ -17,19 +17,17 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from . import catalog, replicas
 from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex, index_for
 from .chunks import ChunkLayout, chunk_id, layout_chunks
-from .layout import ReplicaPrint, RunStore, ShardPart, StoredPiece
-from .save_plan import Assignment
+from .layout import RunStore, StoredPiece
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
 
@@ -41,7 +39,6 @@ class Entry:
     flat: torch.Tensor  # uint8 view of the item's bytes (device may be cuda)
     ranges: list[tuple[int, int]]
     kind: str
-    fingerprint: str | None = None
     pieces: list[StoredPiece] = field(default_factory=list)
     written: int = 0
     reused: int = 0
@@ -97,14 +94,13 @@ class _Stored:
     new: bool
 
 
-def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | None,
-                 replica_check: str, url: str) -> tuple[list[Entry], list[WriteResult]]:
-    """The entries this rank writes, plus fingerprint-only results for the replicas it
-    holds but does not write (the coordinator compares them). What cannot be saved (an
-    object pickle refuses, a meta tensor) is an UnsupportedStateError naming it."""
+def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[int, int]] | None]],
+                 checks: list[WriteItem], replica_check: str, url: str) -> tuple[list[Entry], bytes]:
+    """The entries this rank writes (``writes``: item and byte ranges, None for all of it),
+    and the packed fingerprints of the replicated items it holds (``checks``). What cannot
+    be saved (an object pickle refuses, a meta tensor) is an UnsupportedStateError naming it."""
     entries: list[Entry] = []
-    prints: list[WriteResult] = []
-    for item in plan.items:
+    for item, ranges in writes:
         if item.type == WriteItemType.BYTE_IO:
             try:
                 data = planner.resolve_data(item).getvalue()
@@ -115,31 +111,43 @@ def plan_entries(plan: SavePlan, planner: SavePlanner, assignment: Assignment | 
                 torch.empty(0, dtype=torch.uint8)
             entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
             continue
-        tensor = planner.resolve_data(item)
-        if tensor.is_meta:
-            raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: it is a meta "
-                                        "tensor, which holds no data (materialise it first)")
-        flat = tensor_bytes(tensor)
-        fp = None
-        if assignment is not None and item.index in assignment.replicated:
-            fp = replicas.fingerprint(flat, replica_check)
-        ranges = [(0, flat.numel())] if assignment is None else list(assignment.ranges.get(item.index, ()))
-        if ranges:
-            entries.append(Entry(item.index, flat, ranges, "tensor", fp))
-        elif fp is not None:
-            prints.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=ReplicaPrint(fp)))
-    return entries, prints
+        flat = _tensor_bytes(planner, item, url)
+        entries.append(Entry(item.index, flat, list(ranges) if ranges is not None else [(0, flat.numel())],
+                             "tensor"))
+    if replica_check == "off" or not checks:
+        return entries, b""
+    resolved = {e.index: e.flat for e in entries}
+    prints = []
+    for item in checks:
+        flat = resolved.get(item.index)
+        if flat is None:
+            flat = _tensor_bytes(planner, item, url)
+        prints.append((replicas.item_key(item.index), replicas.fingerprint(flat, replica_check)))
+    return entries, replicas.pack(prints)
 
 
-def write_results(entries: list[Entry], sizes: dict[str, int]) -> list[WriteResult]:
-    """DCP's WriteResults, each carrying this rank's ShardPart of the item."""
-    out = []
-    for e in entries:
-        part = ShardPart(e.kind, e.flat.numel(), e.pieces, {p.chunk: sizes[p.chunk] for p in e.pieces},
-                         e.written, e.reused, e.fingerprint)
-        out.append(WriteResult(index=e.index, size_in_bytes=sum(p.length for p in e.pieces),
-                               storage_data=part))
-    return out
+def _tensor_bytes(planner: SavePlanner, item: WriteItem, url: str) -> torch.Tensor:
+    tensor = planner.resolve_data(item)
+    if tensor.is_meta:
+        raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: it is a meta "
+                                    "tensor, which holds no data (materialise it first)")
+    return tensor_bytes(tensor)
+
+
+def place(entries: list[Entry], stored: Iterable[tuple[ChunkLayout, str, bool]]) -> None:
+    """Record where each entry's bytes went: (layout, chunk id, newly written) per chunk."""
+    for layout, cid, new in stored:
+        owner = entries[layout.pieces[0].key]
+        if new:
+            owner.written += layout.nbytes
+        else:
+            owner.reused += layout.nbytes
+        offset = 0
+        for p in layout.pieces:
+            entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, cid, offset))
+            offset += p.nbytes
+    for entry in entries:
+        entry.pieces.sort(key=lambda p: p.start)
 
 
 class Upload:
@@ -187,18 +195,7 @@ class Upload:
                 catalog.end_save(self.run_store, self.save_id, [self.rank])
             raise
         new = [s for s in stored if s.new]
-        for s in stored:
-            owner = entries[s.layout.pieces[0].key]
-            if s.new:
-                owner.written += s.layout.nbytes
-            else:
-                owner.reused += s.layout.nbytes
-            offset = 0
-            for p in s.layout.pieces:
-                entries[p.key].pieces.append(StoredPiece(p.start, p.nbytes, s.cid, offset))
-                offset += p.nbytes
-        for entry in entries:
-            entry.pieces.sort(key=lambda p: p.start)
+        place(entries, ((s.layout, s.cid, s.new) for s in stored))
         written = sum(s.layout.nbytes for s in new)
         done = time.monotonic()
         return SaveStats(bytes_staged=staged_bytes, bytes_written=written,

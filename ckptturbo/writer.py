@@ -19,8 +19,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
+                                                  TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
@@ -28,10 +29,10 @@ from . import catalog, replicas, save_plan
 from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CheckpointExists, CkptTurboError, ReplicaMismatchError
-from .layout import Location, ReplicaPrint, ShardPart, build_manifest
-from .save_plan import Assignment, Holdings
+from .layout import Location, build_manifest
+from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
-from .upload import SaveStats, Upload, plan_entries, stage_state_dict, write_results
+from .upload import SaveStats, Upload, plan_entries, stage_state_dict
 
 if TYPE_CHECKING:
     from .session import Session
@@ -111,8 +112,9 @@ class TurboWriter(StorageWriter, AsyncStager):
         self._location: Location | None = None
         self._pool: HostBufferPool | None = None
         self._copier = DeviceCopier()
-        self._cached_plan: tuple[tuple, list[Assignment]] | None = None
-        self._last_signature: str | None = None
+        # coordinator: the last plan (signatures -> assignments) and the plans it came from
+        self._cached_plan: tuple[tuple, list[Assignment], list[SavePlan]] | None = None
+        self._held: tuple[str, list] | None = None  # this rank's last local items, by signature
         self._staged_buffers: collections.deque[list[HostBuffer]] = collections.deque()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -174,47 +176,56 @@ class TurboWriter(StorageWriter, AsyncStager):
         # storage, DCP hands its failure to every rank.
         if self.is_coordinator:
             self._refuse_existing()
-        # With the same layout as last time only its signature is sent: the cached plan applies.
-        holdings = save_plan.holdings(self.rank, plan, self._last_signature)
-        self._last_signature = holdings.signature
-        return dataclasses.replace(plan, storage_data=holdings)
+        if not plan.usable:  # DCP's plan cache: the same plan as last time, nothing to add
+            return plan
+        held = save_plan.holdings(plan)
+        self._held = (held.signature, plan.items)
+        return dataclasses.replace(plan, storage_data=held)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Who writes which bytes. No storage request: that waits until after staging."""
-        holdings = [p.storage_data for p in plans]
-        if not all(isinstance(h, Holdings) for h in holdings):
+        """Who writes which bytes; each rank gets back only its own ``Assignment`` (the
+        items it sent stay on it). No storage request: that waits until after staging."""
+        if plans and not any(p.usable for p in plans):
+            self.plan_cache_hits += 1  # DCP's plan cache: every rank reuses the plan it has
+            return plans
+        last = self._cached_plan
+        if not all(p.usable for p in plans):
+            # DCP sends new plans only to ranks whose plan changed; the others keep theirs,
+            # which must then still fit: replan with their last plans, and send every rank one.
+            if last is None or len(last[2]) != len(plans):
+                raise CkptTurboError(
+                    "TurboWriter.prepare_global_plan: DCP's plan cache sent new plans for some "
+                    "ranks only, and this writer did not make the plans the others keep; use the "
+                    "same TurboWriter for every save with plan caching")
+            plans = [p if p.usable else old for p, old in zip(plans, last[2])]
+        held = [p.storage_data for p in plans]
+        if not all(isinstance(h, save_plan.Holdings) for h in held):
             raise CkptTurboError("TurboWriter.prepare_global_plan got plans it did not prepare")
-        key = tuple(h.signature for h in holdings)
-        silent = any(not h.items and h.signature != save_plan.signature(()) for h in holdings)
-        if self._cached_plan is not None and self._cached_plan[0] == key:
-            assignments = self._cached_plan[1]
+        key = tuple(h.signature for h in held)
+        if last is not None and last[0] == key:
+            assignments = last[1]
             self.plan_cache_hits += 1
         else:
-            # A rank that sent only its signature expected a cached plan this coordinator
-            # does not have: fall back to DCP's whole-item choice, which needs no item list.
-            assignments = save_plan.assign(plans, holdings, balance=self.balance and not silent,
-                                           chunk_size=self.chunk_size, weights=self.weights)
-            self._cached_plan = (key, assignments)
-        by_index = {item.index: item for p in plans for item in p.items}
-        out = []
-        for plan, assignment in zip(plans, assignments):
-            kept_objects = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-            tensors = [by_index[idx] for idx in assignment.ranges if idx in by_index]
-            checks = [by_index[idx] for idx in assignment.replicated
-                      if idx in by_index and idx not in assignment.ranges]
-            out.append(dataclasses.replace(
-                plan, items=kept_objects + tensors + checks,
-                storage_data=dataclasses.replace(assignment, save_id=self.save_id)))
-        return out
+            assignments = save_plan.assign(plans, held, balance=self.balance, chunk_size=self.chunk_size,
+                                           weights=self.weights, check_replicas=self.replica_check != "off",
+                                           save_id=self.save_id)
+        self._cached_plan = (key, assignments, plans)
+        return [dataclasses.replace(p, items=[], storage_data=a) for p, a in zip(plans, assignments)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         started = time.monotonic()
         assignment = plan.storage_data if isinstance(plan.storage_data, Assignment) else None
+        marker = assignment.marker_id(self.url) if assignment else self.save_id
         try:
-            entries, prints = plan_entries(plan, planner, assignment, self.replica_check, self.url)
+            if assignment is None:  # a plan this writer did not prepare: every item, whole
+                writes, checks = [(item, None) for item in plan.items], []
+            else:
+                items = save_plan.held_items(assignment, self._held)
+                writes, checks = assignment.writes(items), assignment.replicated_items(items)
+            entries, prints = plan_entries(planner, writes, checks, self.replica_check, self.url)
             # the store is opened only after staging: its first opening (client, imports)
             # must not lengthen the stall
-            upload = Upload(lambda: self.location.run, assignment.save_id if assignment else self.save_id,
+            upload = Upload(lambda: self.location.run, marker,
                             self.rank, pool_for=self._ensure_pool, copier=self._copier,
                             chunk_size=self.chunk_size, pack_threshold=self.pack_threshold,
                             snapshot=self.snapshot, on_staged=self.on_staged)
@@ -225,24 +236,28 @@ class TurboWriter(StorageWriter, AsyncStager):
                 for buf in self._staged_buffers.popleft():
                     self._pool.release(buf)
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(write_results(entries, upload.chunk_sizes) + prints)
+        results = save_plan.encode_results(self.rank, marker, entries, upload.chunk_sizes, prints)
+        fut.set_result([WriteResult(index=MetadataIndex(save_plan.RESULTS_FQN),
+                                    size_in_bytes=stats.bytes_written, storage_data=results)])
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         location = self.location
+        sent = [r.storage_data for rank in results for r in rank
+                if isinstance(r.storage_data, save_plan.RankResults)]
+        markers: dict[str, list[int]] = defaultdict(list)
+        for r in sent:
+            markers[r.save_id].append(r.rank)
         try:
-            parts: dict[MetadataIndex, list[ShardPart | ReplicaPrint]] = defaultdict(list)
-            for rank_results in results:
-                for wr in rank_results:
-                    parts[wr.index].append(wr.storage_data)
-            replicas.check(parts, raise_=self.on_replica_mismatch == "raise")
-            stored = {idx: [p for p in plist if isinstance(p, ShardPart)] for idx, plist in parts.items()}
-            manifest = build_manifest(metadata, stored, url=self.url, save_id=self.save_id,
-                                      chunk_store_ref=location.chunk_store_ref,
+            replicas.check((r.prints for r in sent), _indices(metadata),
+                           raise_=self.on_replica_mismatch == "raise")
+            manifest = build_manifest(metadata, save_plan.decode_results(sent), url=self.url,
+                                      save_id=self.save_id, chunk_store_ref=location.chunk_store_ref,
                                       world_size=len(results))
             location.write_manifest(manifest)
         finally:
-            catalog.end_save(location.run, self.save_id, range(len(results)))
+            for marker, ranks in markers.items():
+                catalog.end_save(location.run, marker, ranks)
         log.info("committed %s: %d items, %d new bytes, %d reused", self.url, len(manifest.items),
                  manifest.stats["bytes_written"], manifest.stats["bytes_reused"])
 
@@ -269,3 +284,13 @@ class TurboWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Drop the host pool (a later save makes a new one); I/O threads are the session's."""
         self._pool = None
+
+
+def _indices(metadata: Metadata) -> Any:
+    """Every item of a checkpoint's metadata, as the MetadataIndex a rank saw it by."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for c in md.chunks:
+                yield MetadataIndex(fqn, c.offsets)
+        else:
+            yield MetadataIndex(fqn)

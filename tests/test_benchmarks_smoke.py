@@ -58,3 +58,24 @@ def test_byte_accounting(results):
     s3 = {c["name"]: c for c in results["s3-1p"]["comparisons"]}
     served = s3["bytes served by storage per load"]
     assert served["ckptturbo"] >= results["s3-1p"]["raw"]["state"]["bytes"]  # the proxy counted it
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_scale_at_a_tiny_world(tmp_path):
+    """The coordinator benchmark end to end at 4 and 8 simulated ranks (2 layers, shard
+    groups of 2); its byte counts are exact, so the per-rank plan size is checked here."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "coordinator-scale", "--worlds", "4,8",
+         "--layers", "2", "--shard-group", "2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(tmp_path / "coordinator-scale.json") as f:
+        doc = json.load(f)
+    assert doc["checks"] and doc["checks_passed"], doc["checks"]
+    by_name = {c["name"]: c for c in doc["comparisons"]}
+    for workload in ("hsdp-72b", "ddp-3b"):
+        assert by_name[f"{workload} @ 8: largest per-rank plan"]["ratio"] <= 1.0
+        assert by_name[f"{workload}: scatter bytes growth exponent"]["ckptturbo"] <= 1.05
+    rows = doc["raw"]["rows"]
+    assert {(r["workload"], r["ranks"]) for r in rows} == {(w, n) for w in ("hsdp-72b", "ddp-3b")
+                                                           for n in (4, 8)}

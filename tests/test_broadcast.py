@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ckptturbo.broadcast import (ChainBroadcaster, Transfer, alloc_step, last_step, npieces,
-                                 plan_schedule)
+from ckptturbo.broadcast import (ChainBroadcaster, Transfer, alloc_step, last_step, needs_communication,
+                                 npieces, own_parts, parts_of, plan_schedule, schedule)
 from ckptturbo.errors import CommunicationError, IntegrityError, PlanError
 from ckptturbo.testing.launcher import RankFailure, run_distributed
 
@@ -268,3 +268,26 @@ def test_schedule_pipelines_a_chain_and_bounds_buffers() -> None:
                     for phase in range(begin, end):
                         live[phase] += 1
             assert max(live.values(), default=0) <= max_inflight
+
+
+def test_coordinator_schedule_gives_each_rank_exactly_its_own_parts() -> None:
+    """schedule() (once, for every rank) and own_parts() (one rank, from the whole list)
+    agree part for part; a rank's parts name only its neighbours in each chain."""
+    transfers = random_transfers(5, 120, seed=3)
+    for max_inflight in (1, 4):
+        rows = schedule(transfers, PIECE, max_inflight, 5)
+        assert len(rows) == 5
+        for rank in range(5):
+            parts = parts_of(rows[rank])
+            assert parts == own_parts(transfers, rank, PIECE, max_inflight)
+            assert [p.tid for p in parts] == sorted(t.tid for t in transfers if rank in t.chain)
+            by_tid = {t.tid: t for t in transfers}
+            for p in parts:
+                chain = by_tid[p.tid].chain
+                pos = chain.index(rank)
+                assert p.is_head == (pos == 0)
+                if needs_communication(by_tid[p.tid]):
+                    assert p.prev == (chain[pos - 1] if pos else -1)
+                    assert p.next == (chain[pos + 1] if pos + 1 < len(chain) else -1)
+                else:
+                    assert p.step == -1 and p.next == -1

@@ -144,6 +144,51 @@ def test_grouped_load_reads_each_chunk_once(tmp_path):
     assert sum(naive) > 2 * unique
 
 
+def _save_with_dcp_plan_caching(rank: int, world: int, run: str) -> list[dict]:
+    """Three saves of one layout with DCP's plan cache: new writers for the first two (one
+    per checkpoint, the usual pattern), the second writer again for the third; the values
+    change every time, the layout never does."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+                  "_cached_metadata", "_cached_final_save_plan"):
+        getattr(SavePlanner, cache).clear()  # class-level: start from an empty cache
+    out, writer = [], None
+    for step in range(3):
+        sd = build_state(world, zeros=False)
+        sd["ddp.w"] = sd["ddp.w"] + step
+        if step < 2:
+            writer = ct.TurboWriter(f"{run}/step-{step}", chunk_size=CHUNK, pack_threshold=64 << 10)
+        else:
+            writer.reset(f"{run}/step-{step}")
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(sd, storage_writer=writer, planner=planner)
+        out.append({"hits": writer.plan_cache_hits})
+    return out
+
+
+def test_dcp_plan_caching_skips_planning_and_saves_right(tmp_path):
+    """DefaultSavePlanner(enable_plan_caching=True): the second and third saves send empty
+    plans both ways (DCP's cache) and still store every byte where the first save's plan said."""
+    run = tmp_path / "run"
+    outcomes = run_distributed(_save_with_dcp_plan_caching, 3, str(run), timeout=300)
+    coordinator = outcomes[0]
+    # saves 2 and 3: every rank sent an unchanged (empty) plan, so the coordinator planned
+    # nothing and every rank wrote from the plan DCP cached for it
+    assert coordinator[1]["hits"] == 1 and coordinator[2]["hits"] == 2, coordinator
+    for step in range(3):
+        sd = build_state(1, zeros=True)
+        ct.load(sd, str(run / f"step-{step}"))
+        expected = build_state(1, zeros=False)
+        assert torch.equal(sd["ddp.w"], expected["ddp.w"] + step), step
+        sd["ddp.w"] = expected["ddp.w"]
+        check_state(sd)
+    manifests = [Location(str(run / f"step-{s}")).read_manifest() for s in range(3)]
+    assert [m.stats["world_size"] for m in manifests] == [3, 3, 3]
+    assert not list((run / ".ckptturbo" / "pending").iterdir())  # every marker was removed
+
+
 def test_replica_mismatch_is_detected(tmp_path):
     url = str(tmp_path / "run" / "bad-replicas")
     outcomes = run_distributed(_save_divergent_replicas, 2, url, timeout=240, expect_failures=True)
