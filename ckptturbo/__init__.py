@@ -1,15 +1,16 @@
 """ckptturbo: checkpoint I/O for distributed PyTorch at the speed of the hardware.
 
-The public names are imported on first use (PEP 562), so the commands that need no
-tensors (``ckptturbo --version``, ``ls``, ``inspect``) do not pay for importing torch.
-Where torch is imported already (a training or serving process), they are imported at
-once instead: the first ``ct.save`` must stall for its copy only, not for importing DCP.
+In the ``ckptturbo`` command the public names are imported on first use (PEP 562), so the
+subcommands that need no tensors (``--version``, ``ls``, ``inspect``) do not pay for
+importing torch. Everywhere else (a training or serving process) they are imported with
+the package: the first ``ct.save`` must stall for its copy only, not for importing DCP.
 Add a public name with one line in ``_PUBLIC``.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
@@ -66,7 +67,13 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if "torch" in sys.modules:
+def _in_the_command() -> bool:
+    """The ``ckptturbo`` console script, or ``python -m ckptturbo.cli`` (whose argv[0] is
+    "-m" while the package is imported)."""
+    return os.path.basename(sys.argv[0] if sys.argv else "") in ("ckptturbo", "-m")
+
+
+if not _in_the_command():
     for _name in _PUBLIC:
         __getattr__(_name)
     importlib.import_module(".operations", __name__)  # what the first ct.save runs
