@@ -489,6 +489,55 @@ def test_safe_open_s3_fetches_only_the_rows_asked(s3_server, tmp_path):
         assert torch.equal(f.get_tensor("w"), big)
 
 
+def _mixed_order_file(path: str) -> dict[str, torch.Tensor]:
+    """Names whose sorted order is not the file's: safetensors puts wider dtypes first."""
+    g = torch.Generator().manual_seed(4)
+    want = {f"a{i:02d}": torch.randint(0, 99, (256 << 10,), dtype=torch.int8, generator=g)
+            for i in range(20)}
+    want.update({f"z{i:02d}": torch.randn(64 << 10, generator=g) for i in range(20)})
+    save_file(want, path)
+    return want
+
+
+@pytest.mark.parametrize("order", ["keys", "offset_keys"])
+def test_safe_open_s3_reads_ahead_in_the_order_of_the_calls(s3_server, tmp_path, order):
+    want = _mixed_order_file(str(tmp_path / "m.safetensors"))
+    url = upload_dir(s3_server, str(tmp_path)) + "/m.safetensors"
+    with safe_open(counting(url), storage_options=s3_server.storage_options,
+                   memory_limit=4 * MiB) as f:
+        names = getattr(f, order)()
+        assert names != (f.offset_keys() if order == "keys" else f.keys())
+        CountingS3.reset()
+        got = {k: f.get_tensor(k) for k in names}
+        assert f._ahead is not None and f._ahead.done
+        assert 0 < f._ahead.budget.peak <= 4 * MiB
+    assert_same(got, want)
+    assert CountingS3.calls["get_object"] < len(names) // 3  # ranges, not a GET per tensor
+
+
+def test_safe_open_s3_call_out_of_order_stops_reading_ahead(s3_server, tmp_path):
+    want = _mixed_order_file(str(tmp_path / "m.safetensors"))
+    url = upload_dir(s3_server, str(tmp_path)) + "/m.safetensors"
+    with safe_open(url, storage_options=s3_server.storage_options) as f:
+        keys = f.keys()
+        got = {k: f.get_tensor(k) for k in keys[:5]}  # follows keys(): reading ahead
+        got["z03"] = f.get_tensor("z03")  # out of order: back to one GET per call
+        assert f._ahead is None
+        got.update((k, f.get_tensor(k)) for k in keys[5:7])
+        assert f._ahead is None
+        got["a09"] = f.get_tensor("a09")
+    assert_same(got, {k: want[k] for k in got})
+    with safe_open(url, storage_options=s3_server.storage_options) as f:
+        got = {k: f.get_tensor(k) for k in ["z05", "a01", "z07"]}  # no order: never starts
+        assert f._ahead is None
+        skipping = safe_open(url, storage_options=s3_server.storage_options)
+        skipping.get_tensor("a00")
+        got["a04"] = skipping.get_tensor("a04")  # a few ahead in the order: still followed
+        assert skipping._ahead is not None
+        skipping.close()
+    assert_same(got, {k: want[k] for k in got})
+
+
 # --- profiles and calibration ----------------------------------------------------------------
 
 def test_profiles_and_calibration_are_picked_up(tmp_path):

@@ -62,26 +62,18 @@ class Scatter:
     :meth:`take` once every read covering it is filled.
     """
 
-    def __init__(self, tensors: Sequence[Sequence[TensorInfo]], reads: Sequence[Sequence[Read]]) -> None:
-        self._sizes: list[int] = []
-        self._slots: list[torch.Tensor | None] = []
+    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]]) -> None:
+        """``plan``: every tensor in yield order with the reads that cover its bytes."""
+        self._sizes = [t.nbytes for t, _ in plan]
+        self._slots: list[torch.Tensor | None] = [None] * len(plan)
         # read index -> [(slot, destination offset, offset in the read, length)]
         self._pieces: dict[int, list[tuple[int, int, int, int]]] = {}
         self._lock = threading.Lock()
-        for file_tensors, file_reads in zip(tensors, reads):
-            ri = 0
-            for t in file_tensors:
-                slot = len(self._sizes)
-                self._sizes.append(t.nbytes)
-                self._slots.append(None)
-                while ri < len(file_reads) and file_reads[ri].end <= t.start:
-                    ri += 1
-                rj = ri
-                while rj < len(file_reads) and file_reads[rj].start < t.end:
-                    r = file_reads[rj]
-                    lo, hi = max(r.start, t.start), min(r.end, t.end)
+        for slot, (t, reads) in enumerate(plan):
+            for r in reads:
+                lo, hi = max(r.start, t.start), min(r.end, t.end)
+                if lo < hi:
                     self._pieces.setdefault(r.index, []).append((slot, lo - t.start, lo - r.start, hi - lo))
-                    rj += 1
 
     def deliver(self, read: Read, data: bytes | bytearray | memoryview) -> bytes:
         """Copy ``read``'s bytes into their destinations (on the I/O thread); keep none."""
@@ -109,3 +101,16 @@ class Scatter:
         with self._lock:
             self._slots = [None] * len(self._slots)
             self._pieces.clear()
+
+
+def covering(tensors: Sequence[TensorInfo], reads: Sequence[Read]) -> list[tuple[TensorInfo, list[Read]]]:
+    """Each of one file's tensors (by offset) with the reads (by offset) that cover it."""
+    out, ri = [], 0
+    for t in tensors:
+        while ri < len(reads) and reads[ri].end <= t.start:
+            ri += 1
+        rj = ri
+        while rj < len(reads) and reads[rj].start < t.end:
+            rj += 1
+        out.append((t, list(reads[ri:rj])))
+    return out

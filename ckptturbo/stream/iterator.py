@@ -39,7 +39,7 @@ import torch
 from ..errors import MismatchError
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from .cache import DiskCache
-from .device import Destination, Scatter
+from .device import Destination, Scatter, covering
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
 from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
@@ -114,7 +114,8 @@ class SafetensorsStream:
             self._wanted = self._select(opts.names)
             self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams)
             if self.device.type == "cpu" and not self._dist and not opts.views:
-                self._scatter = Scatter(self._wanted, self._reads)
+                self._scatter = Scatter([pair for ts, rs in zip(self._wanted, self._reads)
+                                         for pair in covering(ts, rs)])
             self._tails = self._keep_tails()
         except BaseException:
             self.close()
