@@ -6,7 +6,7 @@ model directory stays local (config, tokenizer) and the weights URL comes in
 
     vllm serve ./my-model-config --load-format ckptturbo \\
         --model-loader-extra-config '{"url": "s3://bucket/model/", "storage_options": {...},
-                                      "lookahead": 2, "memory_limit": 2147483648,
+                                      "memory_limit": 2147483648,
                                       "cache_dir": "/local/nvme/ckptturbo"}'
 
 The URL holds either safetensors (one file, or a directory with or without
