@@ -9,10 +9,14 @@ Standalone (``python -m benchmarks.ray_vllm ray|vllm|all``); SeaweedFS runs on l
   by rank 0 alone as Ray's DDP examples do, and by every worker). Reported: seconds the
   training loop is blocked per checkpoint and bytes uploaded, with ratios.
 * ``vllm``: a Llama of a few hundred MB in safetensors on S3 behind
-  ckptturbo.testing's proxy (20 ms per request): time to load the model into vLLM
-  (CPU) with ``load_format="ckptturbo"``, with ``runai_streamer`` when it is installed,
-  and by downloading the files then ``load_format="safetensors"``; peak host memory
-  (max RSS) of each engine process.
+  ckptturbo.testing's proxy (20 ms per request): the weights phase of vLLM (CPU)
+  (``load_model``: building the model and loading its weights) with
+  ``load_format="ckptturbo"``, with ``runai_streamer`` (a benchmark-only extra,
+  ``ckptturbo[bench-runai]``, or ``--runai-python``; skipped with a message when absent),
+  and by downloading the files then ``load_format="safetensors"`` (download included).
+  Each way runs in a warm engine process of its own (vLLM imported, one unmeasured
+  engine first), which then builds one engine per repetition; repetitions alternate
+  between the ways (the order flips each time); medians, spreads and ratios are reported.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.stream_s3 import Worker
 from ckptturbo.testing.proxy_process import ProxyProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,10 +130,17 @@ def bench_ray(server: Any, out: str, width: int, steps: int, every: int,
 
 # --------------------------------------------------------------------------- vLLM
 
-def engine(model: str, load_format: str, extra: str) -> None:
-    """One vLLM engine in this process; prints its init seconds as JSON on the last line."""
+def engine_server(model: str, load_format: str, extra: str, download: str) -> None:
+    """A warm vLLM process: builds one engine per line read from stdin (after one
+    unmeasured engine) and prints the weights phase of each. With ``download`` (a JSON
+    ``[url, storage_options]``) each repetition first downloads the files into ``model``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import gc
+    import resource
+    import shutil
+
+    import fsspec
     from vllm import LLM, SamplingParams
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -143,29 +155,46 @@ def engine(model: str, load_format: str, extra: str) -> None:
             load_seconds.append(time.perf_counter() - t0)
 
     BaseModelLoader.load_model = timed
-    began = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, load_format=load_format,
-              model_loader_extra_config=json.loads(extra), dtype="float32", enforce_eager=True,
-              max_model_len=128, max_num_seqs=2, seed=0)
-    seconds = time.perf_counter() - began
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
-                       SamplingParams(max_tokens=4, temperature=0.0, detokenize=False))
-    import resource
+    source = json.loads(download) if download else None
+    fs = fsspec.filesystem("s3", **source[1]) if source else None
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"init_s": seconds, "load_model_s": sum(load_seconds), "peak_rss_bytes": peak,
-                      "tokens": list(out[0].outputs[0].token_ids)}))
+    def once() -> dict[str, Any]:
+        fetched = 0.0
+        if source:
+            shutil.rmtree(model, ignore_errors=True)
+            t0 = time.perf_counter()
+            fs.get(f"{source[0]}/", model + "/", recursive=True)
+            fetched = time.perf_counter() - t0  # the bucket holds the config files too
+        del load_seconds[:]
+        began = time.perf_counter()
+        llm = LLM(model=model, skip_tokenizer_init=True, load_format=load_format,
+                  model_loader_extra_config=json.loads(extra), dtype="float32", enforce_eager=True,
+                  max_model_len=128, max_num_seqs=2, seed=0)
+        init = time.perf_counter() - began
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(max_tokens=4, temperature=0.0, detokenize=False),
+                           use_tqdm=False)
+        tokens = list(out[0].outputs[0].token_ids)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        return {"weights_s": sum(load_seconds) + fetched, "load_model_s": sum(load_seconds),
+                "download_s": fetched, "init_s": init + fetched, "tokens": tokens,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    try:
+        once()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        print("RESULT " + json.dumps({"unavailable": f"{type(exc).__name__}: {str(exc)[:300]}"}),
+              flush=True)
+        return
+    print("READY", flush=True)
+    for _ in sys.stdin:
+        print("RESULT " + json.dumps(once()), flush=True)
 
 
-def _run_engine(model: str, load_format: str, extra: dict, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.ray_vllm", "engine", model, load_format,
-                             json.dumps(extra)], cwd=REPO, env=dict(os.environ, **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=900)
-    if proc.returncode:
-        lines = [ln for ln in stderr.splitlines() if "Error" in ln] or stderr.splitlines()[-1:]
-        return {"error": lines[-1].strip() if lines else f"exit status {proc.returncode}"}
-    return json.loads(stdout.strip().splitlines()[-1])
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _tiny_llama(directory: str, hidden: int, layers: int) -> int:
@@ -182,8 +211,10 @@ def _tiny_llama(directory: str, hidden: int, layers: int) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: float) -> dict[str, Any]:
+def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: float, repeat: int,
+               runai_python: str) -> dict[str, Any]:
     import fsspec
+
 
     hf = os.path.join(out, "llama")
     weight_bytes = _tiny_llama(hf, hidden, layers)
@@ -195,30 +226,64 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
         fs.put_file(os.path.join(hf, name), f"{url}/{name}")
         if name.endswith(".json") and "safetensors" not in name:
             subprocess.run(["cp", os.path.join(hf, name), config_only], check=True)
-    results: dict[str, Any] = {"weight_bytes": weight_bytes, "latency_ms": latency_ms}
+    results: dict[str, Any] = {"weight_bytes": weight_bytes, "latency_ms": latency_ms,
+                               "repeat": repeat}
     with ProxyProcess(server.endpoint, latency_s=latency_ms / 1000, conn_rate=100e6) as proxy:
         options = proxy.storage_options(server.storage_options)
-        _run_engine(config_only, "dummy", {}, {})  # warm-up: imports and caches, not measured
-        results["ckptturbo"] = _run_engine(config_only, "ckptturbo",
-                                           {"url": url, "storage_options": options}, {})
         aws = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": server.key,
                "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
-        results["runai_streamer"] = _run_engine(url, "runai_streamer", {}, aws)
-        local = os.path.join(out, "downloaded")
-        began = time.perf_counter()
-        fsspec.filesystem("s3", **options).get(f"{url}/", local + "/", recursive=True)
-        download = time.perf_counter() - began
-        run = _run_engine(local, "safetensors", {}, {})
-        if "init_s" in run:
-            run.update(download_s=download, init_s=run["init_s"] + download,
-                       load_model_s=run["load_model_s"] + download)
-        results["download+safetensors"] = run
+        ways = {"ckptturbo": ([config_only, "ckptturbo", json.dumps({"url": url, "storage_options": options}),
+                               ""], sys.executable, {}),
+                "runai_streamer": ([url, "runai_streamer", "{}", ""], runai_python, aws),
+                "download+safetensors": ([os.path.join(out, "downloaded"), "safetensors", "{}",
+                                          json.dumps([url, options])], sys.executable, {})}
+        workers = {}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
+        try:
+            for name, (argv, python, env) in ways.items():
+                print(f"warming up: {name} ...", flush=True)
+                workers[name] = _EngineWorker(argv, python, env)
+            names = list(ways)
+            for attempt in range(repeat):
+                for name in (names if attempt % 2 == 0 else names[::-1]):
+                    run = workers[name].run()
+                    print(f"[{attempt + 1}/{repeat}] {name}: {run.get('weights_s', run)}", flush=True)
+                    runs[name].append(run)
+        finally:
+            for w in workers.values():
+                w.close()
+    for name, rs in runs.items():
+        done = [r for r in rs if "weights_s" in r]
+        if not done:
+            results[name] = rs[-1] if rs else {"unavailable": "not run"}
+            continue
+        weights = [r["weights_s"] for r in done]
+        results[name] = {"weights_s_median": _median(weights), "weights_s": sorted(weights),
+                         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in done),
+                         "tokens": done[-1]["tokens"]}
+    ours = results["ckptturbo"].get("weights_s_median")
     for name in ("runai_streamer", "download+safetensors"):
-        if "init_s" in results[name] and "init_s" in results["ckptturbo"]:
-            for what in ("init_s", "load_model_s", "peak_rss_bytes"):
-                results[f"ratio_{what}_vs_{name}"] = results["ckptturbo"][what] / results[name][what]
+        theirs = results[name].get("weights_s_median")
+        if ours and theirs:
+            results[f"ratio_weights_vs_{name}"] = ours / theirs
     return results
+
+
+class _EngineWorker(Worker):
+    """A warm vLLM engine process (see :func:`engine_server`)."""
+
+    def __init__(self, argv: list[str], python: str, env: dict[str, str]) -> None:
+        self.unavailable = None
+        self.proc = subprocess.Popen([python, "-m", "benchmarks.ray_vllm", "engine", *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                                     env=dict(os.environ, PYTHONPATH=REPO, **env))
+        line = self._line()
+        if line is None or not line.startswith("READY"):
+            self.unavailable = (json.loads(line[len("RESULT "):]).get("unavailable", line)
+                                if line else f"the engine exited ({self.proc.wait()})")
+            self.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,13 +300,17 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--hidden", type=int, default=512, help="vLLM: Llama hidden size")
         p.add_argument("--layers", type=int, default=8)
         p.add_argument("--latency-ms", type=float, default=20.0)
+        p.add_argument("--repeat", type=int, default=5, help="vLLM: measured engines per way")
+        p.add_argument("--runai-python", default=sys.executable,
+                       help="vLLM: the interpreter of runai_streamer's engine (with runai-model-streamer-s3)")
     e = sub.add_parser("engine")
     e.add_argument("model")
     e.add_argument("load_format")
     e.add_argument("extra")
+    e.add_argument("download")
     args = parser.parse_args(argv)
     if args.what == "engine":
-        engine(args.model, args.load_format, args.extra)
+        engine_server(args.model, args.load_format, args.extra, args.download)
         return
     from ckptturbo.testing import embedded_s3
 
@@ -254,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
             report["ray"] = bench_ray(server, args.out, args.width, args.steps, args.every,
                                       args.step_seconds)
         if args.what in ("vllm", "all"):
-            report["vllm"] = bench_vllm(server, args.out, args.hidden, args.layers, args.latency_ms)
+            report["vllm"] = bench_vllm(server, args.out, args.hidden, args.layers, args.latency_ms,
+                                        args.repeat, args.runai_python)
     finally:
         server.stop()
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -41,6 +41,12 @@ class FormatError(CkptTurboError, ValueError):
     """A manifest, chunk name or safetensors header is malformed or unsupported."""
 
 
+class CheckpointKindError(FormatError):
+    """The location holds another kind of checkpoint than the one asked for (a ckptturbo
+    checkpoint where safetensors were expected): the caller can tell the kinds apart from
+    the one listing that found it, without a probe of its own."""
+
+
 class MismatchError(CkptTurboError, ValueError):
     """The state dict being loaded does not fit the checkpoint (keys, shapes, dtypes)."""
 

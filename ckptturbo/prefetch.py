@@ -6,10 +6,13 @@ for its chains, in the order the broadcaster sends them) and the safetensors str
 (file ranges in yield order). Each knows every range it will need, and in which order,
 before the first byte arrives. Following NoPFS, the optimal policy is then
 simple: fetch exactly the next range not yet present, at the first opportunity, and drop
-each range as soon as it has been consumed. :class:`Prefetcher` does that with three
-bounds: at most ``streams`` requests in flight, only ranges of the ``lookahead`` files
-starting at the consumer's current one, and a :class:`MemoryBudget` that every range
-reserves before its request is issued and returns when the consumer releases it. Ranges
+each range as soon as it has been consumed. :class:`Prefetcher` does that with up to three
+bounds: at most ``streams`` requests in flight, a :class:`MemoryBudget` that every range
+reserves before its request is issued and returns when the consumer releases it, and
+optionally (``lookahead``) only ranges of the files starting at the consumer's current one.
+The budget is the bound that matters: a file window stops reads while the consumer lags,
+even far under the budget, so the streamer reads by bytes alone; the read-once engine
+uses the window as a gate (its "files" are batches it has reserved). Ranges
 are issued strictly in consumption order and released in that order too, so the range
 the consumer waits for can always be issued (everything before it is released), which
 makes the bound deadlock-free. A range larger than the whole budget is issued alone,
@@ -21,7 +24,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import CkptTurboError
 
@@ -76,7 +79,7 @@ class Read:
     path: str
     start: int
     end: int
-    data: bytes | bytearray | memoryview | None = None
+    data: bytes | bytearray | memoryview | None = None  # or what ``deliver`` kept of them
     error: BaseException | None = None
     reserved: bool = False  # its size is counted in the budget until released
     released: bool = False
@@ -104,17 +107,25 @@ class Read:
 
 
 class Prefetcher:
-    """Keeps the next reads in flight, bounded by streams, lookahead files and memory."""
+    """Keeps the next reads in flight, bounded by streams, memory and (optionally) files.
+
+    ``lookahead=None`` issues reads as far ahead as the budget allows. ``deliver``, when
+    given, runs on the I/O thread with each read's bytes before the read counts as filled,
+    and what it returns is what the read keeps (the streamer copies the bytes into their
+    destination tensors there and keeps nothing).
+    """
 
     def __init__(self, reads: list[Read], fetch: Callable[[Read], bytes],
                  submit: Callable[..., Future], budget: MemoryBudget, *,
-                 streams: int, lookahead: int) -> None:
+                 streams: int, lookahead: int | None,
+                 deliver: Callable[[Read, bytes | bytearray | memoryview], Any] | None = None) -> None:
         self.reads = reads
         self._fetch = fetch
         self._submit = submit
+        self._deliver = deliver
         self.budget = budget
         self.streams = max(1, streams)
-        self.lookahead = max(1, lookahead)
+        self.lookahead = None if lookahead is None else max(1, lookahead)
         self._lock = threading.Lock()
         self._next = 0
         self._inflight = 0
@@ -162,7 +173,7 @@ class Prefetcher:
                 if read.done.is_set():  # already filled (kept from a header probe)
                     self._next += 1
                     continue
-                if read.file >= self._file + self.lookahead:
+                if self.lookahead is not None and read.file >= self._file + self.lookahead:
                     break
                 if not self.budget.try_acquire(read.size, alone=read.size > self.budget.limit):
                     break
@@ -178,7 +189,7 @@ class Prefetcher:
             if len(data) != read.size:
                 raise CkptTurboError(f"short read of {read.path} [{read.start}, {read.end}): "
                                      f"got {len(data)} bytes")
-            read.fill(data)
+            read.fill(data if self._deliver is None else self._deliver(read, data))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer that waits on it
             log.debug("read %s [%d, %d) failed: %s", read.path, read.start, read.end, exc)
             with self._lock:

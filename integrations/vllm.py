@@ -6,23 +6,32 @@ model directory stays local (config, tokenizer) and the weights URL comes in
 
     vllm serve ./my-model-config --load-format ckptturbo \\
         --model-loader-extra-config '{"url": "s3://bucket/model/", "storage_options": {...},
-                                      "lookahead": 2, "memory_limit": 2147483648,
+                                      "memory_limit": 2147483648,
                                       "cache_dir": "/local/nvme/ckptturbo"}'
 
 The URL holds either safetensors (one file, or a directory with or without
 ``model.safetensors.index.json``) or a ckptturbo checkpoint (a ``manifest.json``); the
-loader tells them apart by that file. Every tensor-parallel worker iterates the whole
-checkpoint and each parameter's ``weight_loader`` keeps its own slice, so the workers
-read storage once between them: the stream runs over the gloo ``cpu_group`` vLLM's
-tensor-parallel ``GroupCoordinator`` already has, one worker fetches each byte range and
-forwards it to the others.
+stream's own listing tells them apart (no second client, no probe). Every tensor-parallel
+worker iterates the whole checkpoint and each parameter's ``weight_loader`` keeps its own
+slice, so the workers read storage once between them: the stream runs over the gloo
+``cpu_group`` vLLM's tensor-parallel ``GroupCoordinator`` already has, one worker fetches
+each byte range and forwards it to the others.
+
+The weights are opened when vLLM asks the loader for the model, before vLLM builds it:
+alone, listing, headers and the first reads run on a thread of their own while the model
+is built; with tensor-parallel peers, listing and headers are read collectively first and
+the reads start when the weights are consumed (the peers' gloo group must not carry two
+conversations at once). Tensors come as views of the bytes read (``views=True``), so the
+weight loader's copy into the parameter is the only copy of each byte.
 
 The loader is registered by :func:`register`, the entry point of the group
 ``vllm.general_plugins`` (vLLM calls it in the engine and in every worker process).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +44,8 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 import ckptturbo as ct
-from ckptturbo.errors import CheckpointNotFound, CkptTurboError, MismatchError
+from ckptturbo.stream import SafetensorsStream
+from ckptturbo.errors import CheckpointKindError, CkptTurboError, MismatchError
 
 log = logging.getLogger(__name__)
 
@@ -87,23 +97,38 @@ def tensor_parallel_group() -> Any:
     return tp.cpu_group if tp.world_size > 1 else None
 
 
-def is_ckptturbo_checkpoint(options: LoaderOptions) -> bool:
-    """A ckptturbo checkpoint has a committed manifest at the URL; safetensors do not."""
-    try:
-        ct.TurboReader(options.url, options.storage_options).read_metadata()
-        return True
-    except CheckpointNotFound:
-        return False
+class Weights:
+    """The weights at the URL, opened: a safetensors stream whose listing and headers are
+    read (``kind == "safetensors"``), or a ckptturbo checkpoint (``kind == "checkpoint"``),
+    told apart by the stream's listing. Iterate once; ``close()`` frees what is held."""
 
+    def __init__(self, options: LoaderOptions, process_group: Any = None) -> None:
+        self.options = options
+        self.process_group = process_group
+        self.stream: SafetensorsStream | None = None
+        try:
+            self.stream = ct.stream_safetensors(
+                options.url, device="cpu", lookahead=options.lookahead,
+                memory_limit=options.memory_limit, storage_options=options.storage_options,
+                process_group=process_group, cache_dir=options.cache_dir, views=True)
+            self.kind = "safetensors"
+        except CheckpointKindError:
+            self.kind = "checkpoint"
 
-def safetensors_weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a safetensors model, streamed (read once across ``process_group``)."""
-    stream = ct.stream_safetensors(options.url, device="cpu", lookahead=options.lookahead,
-                                   memory_limit=options.memory_limit,
-                                   storage_options=options.storage_options,
-                                   process_group=process_group, cache_dir=options.cache_dir)
-    with stream:
-        yield from stream
+    def start(self) -> Weights:
+        """Start reading now (see :meth:`ckptturbo.stream.SafetensorsStream.start`)."""
+        if self.stream is not None:
+            self.stream.start()
+        return self
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.stream is None:
+            return checkpoint_weights(self.options, self.process_group)
+        return iter(self.stream)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
 
 
 def checkpoint_weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,9 +164,30 @@ def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
 
 def weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs from the URL, whichever of the two kinds it holds."""
-    if is_ckptturbo_checkpoint(options):
-        return checkpoint_weights(options, process_group)
-    return safetensors_weights(options, process_group)
+    return iter(Weights(options, process_group).start())
+
+
+class _Opening:
+    """Opens the weights on a thread of its own, while vLLM builds the model."""
+
+    def __init__(self, options: LoaderOptions) -> None:
+        self._result: Weights | BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(options,), daemon=True,
+                                        name="ckptturbo-vllm-open")
+        self._thread.start()
+
+    def _run(self, options: LoaderOptions) -> None:
+        try:
+            self._result = Weights(options).start()
+        except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
+            self._result = exc
+
+    def result(self) -> Weights:
+        self._thread.join()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        assert self._result is not None
+        return self._result
 
 
 class CkptTurboModelLoader(BaseModelLoader):
@@ -150,17 +196,45 @@ class CkptTurboModelLoader(BaseModelLoader):
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
         self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+        self._opening: _Opening | Weights | None = None
 
     def download_model(self, model_config: Any) -> None:
         """Fill the local cache tier (``cache_dir``) so the next load makes no request."""
-        if not self.options.cache_dir or is_ckptturbo_checkpoint(self.options):
+        if not self.options.cache_dir:
             return
-        for _ in safetensors_weights(self.options):
-            pass
+        opened = Weights(self.options)
+        try:
+            if opened.kind == "safetensors":
+                for _ in opened:
+                    pass
+        finally:
+            opened.close()
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        """Open the weights (listing, headers, first reads) before vLLM builds the model,
+        then let vLLM build it and call :meth:`load_weights`."""
+        group = tensor_parallel_group()
+        self._opening = _Opening(self.options) if group is None else Weights(self.options, group)
+        try:
+            return super().load_model(vllm_config, model_config, prefix)
+        finally:
+            opening, self._opening = self._opening, None
+            if opening is not None:  # load_weights never ran (building the model failed)
+                with contextlib.suppress(Exception):
+                    (opening.result() if isinstance(opening, _Opening) else opening).close()
+
+    def _weights(self) -> Weights:
+        opening, self._opening = self._opening, None
+        if isinstance(opening, _Opening):
+            return opening.result()
+        if opening is not None:
+            return opening.start()
+        return Weights(self.options, tensor_parallel_group()).start()  # load_weights alone
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         started = time.perf_counter()
-        stream = weights(self.options, tensor_parallel_group())
+        opened = self._weights()
+        stream = iter(opened)
         count = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,10 +243,13 @@ class CkptTurboModelLoader(BaseModelLoader):
                 count += 1
                 yield name, tensor
 
-        loaded = model.load_weights(counted())
-        # Every worker of the group must consume the whole stream, or its peers wait forever.
-        for _ in stream:
-            count += 1
+        try:
+            loaded = model.load_weights(counted())
+            # Every worker of the group must consume the whole stream, or its peers wait forever.
+            for _ in stream:
+                count += 1
+        finally:
+            opened.close()
         log.info("ckptturbo loaded %d tensors from %s in %.2fs", count, self.options.url,
                  time.perf_counter() - started)
         if loaded is not None and model_config.quantization is None:

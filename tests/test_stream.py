@@ -210,6 +210,71 @@ def test_single_file_s3_and_missing(s3_server, tmp_path):
         stream_safetensors(url + "/absent.safetensors", storage_options=s3_server.storage_options)
 
 
+def _wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_reads_go_ahead_by_bytes_not_files_while_the_consumer_waits(tmp_path):
+    """A consumer stuck on the first tensor does not stop reads of later files while the
+    budget allows them; an explicit lookahead still caps the files."""
+    sharded_model(str(tmp_path / "m"), nshards=4, size=4_000_000)
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    total = sum(os.path.getsize(f) for f in files)
+    stream = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4)
+    it = iter(stream)
+    next(it)  # then lag: nothing more is consumed
+    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    stream.close()
+    capped = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4, lookahead=1)
+    it = iter(capped)
+    next(it)
+    time.sleep(0.3)  # header GETs (1 MiB each) and the first file only
+    assert capped.source.counters()["bytes_fetched"] <= os.path.getsize(files[0]) + 3 * MiB
+    capped.close()
+
+
+def test_start_reads_before_the_first_next(tmp_path):
+    want = sharded_model(str(tmp_path / "m"), nshards=2, size=200_000)
+    total = sum(os.path.getsize(f) for f in (tmp_path / "m").glob("*.safetensors"))
+    stream = stream_safetensors(str(tmp_path / "m"), chunk_size=64 << 10, streams=4).start()
+    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    assert_same(dict(stream), want)
+
+
+def test_first_reads_ramp_up_then_join_the_grid(tmp_path):
+    from ckptturbo.stream.ranges import RAMP_START
+
+    g = torch.Generator().manual_seed(3)
+    save_file({f"t{i}": torch.randn(4 * MiB // 4, generator=g) for i in range(12)},
+              str(tmp_path / "a.safetensors"))
+    save_file({"u": torch.randn(24 * MiB // 4, generator=g)}, str(tmp_path / "b.safetensors"))
+    stream = stream_safetensors(str(tmp_path), chunk_size=8 * MiB, streams=2)
+    first, second = stream._reads
+    sizes = [r.size for r in first]
+    assert sizes[1:5] == [RAMP_START, RAMP_START, 2 * RAMP_START, 2 * RAMP_START]  # after the header GET
+    assert max(sizes) == 8 * MiB
+    assert second[1].size == 8 * MiB  # a later file: the header GET, then the grid at once
+    assert [r.end for r in first[:-1]] == [r.start for r in first[1:]]
+    stream.close()
+
+
+@pytest.mark.parametrize("chunk", [64 << 10, 4 * MiB])
+def test_views_are_read_only_copies_of_nothing_with_the_same_values(tmp_path, chunk):
+    want = sharded_model(str(tmp_path / "m"), size=300_000)
+    got = dict(stream_safetensors(str(tmp_path / "m"), chunk_size=chunk, streams=3, views=True))
+    assert_same(got, want)
+    if chunk > 1 << 20:  # else every tensor spans reads and is assembled into fresh memory
+        # tensors inside one read are views of its bytes: neighbours in the file are
+        # neighbours in memory
+        a, b = got["layer0.w0"], got["layer0.w1"]
+        assert b.data_ptr() - a.data_ptr() == a.nbytes
+
+
 # --- memory bound --------------------------------------------------------------------------
 
 def test_memory_bound_small_limit_over_8mib_model(tmp_path):
@@ -422,6 +487,55 @@ def test_safe_open_s3_fetches_only_the_rows_asked(s3_server, tmp_path):
         assert torch.equal(rows, big[3000:3010])
         assert CountingS3.nbytes == 10 * 1024 and CountingS3.calls["get_object"] == 1
         assert torch.equal(f.get_tensor("w"), big)
+
+
+def _mixed_order_file(path: str) -> dict[str, torch.Tensor]:
+    """Names whose sorted order is not the file's: safetensors puts wider dtypes first."""
+    g = torch.Generator().manual_seed(4)
+    want = {f"a{i:02d}": torch.randint(0, 99, (256 << 10,), dtype=torch.int8, generator=g)
+            for i in range(20)}
+    want.update({f"z{i:02d}": torch.randn(64 << 10, generator=g) for i in range(20)})
+    save_file(want, path)
+    return want
+
+
+@pytest.mark.parametrize("order", ["keys", "offset_keys"])
+def test_safe_open_s3_reads_ahead_in_the_order_of_the_calls(s3_server, tmp_path, order):
+    want = _mixed_order_file(str(tmp_path / "m.safetensors"))
+    url = upload_dir(s3_server, str(tmp_path)) + "/m.safetensors"
+    with safe_open(counting(url), storage_options=s3_server.storage_options,
+                   memory_limit=4 * MiB) as f:
+        names = getattr(f, order)()
+        assert names != (f.offset_keys() if order == "keys" else f.keys())
+        CountingS3.reset()
+        got = {k: f.get_tensor(k) for k in names}
+        assert f._ahead is not None and f._ahead.done
+        assert 0 < f._ahead.budget.peak <= 4 * MiB
+    assert_same(got, want)
+    assert CountingS3.calls["get_object"] < len(names) // 3  # ranges, not a GET per tensor
+
+
+def test_safe_open_s3_call_out_of_order_stops_reading_ahead(s3_server, tmp_path):
+    want = _mixed_order_file(str(tmp_path / "m.safetensors"))
+    url = upload_dir(s3_server, str(tmp_path)) + "/m.safetensors"
+    with safe_open(url, storage_options=s3_server.storage_options) as f:
+        keys = f.keys()
+        got = {k: f.get_tensor(k) for k in keys[:5]}  # follows keys(): reading ahead
+        got["z03"] = f.get_tensor("z03")  # out of order: back to one GET per call
+        assert f._ahead is None
+        got.update((k, f.get_tensor(k)) for k in keys[5:7])
+        assert f._ahead is None
+        got["a09"] = f.get_tensor("a09")
+    assert_same(got, {k: want[k] for k in got})
+    with safe_open(url, storage_options=s3_server.storage_options) as f:
+        got = {k: f.get_tensor(k) for k in ["z05", "a01", "z07"]}  # no order: never starts
+        assert f._ahead is None
+        skipping = safe_open(url, storage_options=s3_server.storage_options)
+        skipping.get_tensor("a00")
+        got["a04"] = skipping.get_tensor("a04")  # a few ahead in the order: still followed
+        assert skipping._ahead is not None
+        skipping.close()
+    assert_same(got, {k: want[k] for k in got})
 
 
 # --- profiles and calibration ----------------------------------------------------------------

@@ -7,7 +7,7 @@ header, its data tail kept), ``ranges`` (which byte ranges to read, in yield ord
 destinations), ``distributed`` (read once across ranks through ``ckptturbo.readonce``),
 ``options`` / ``profiles`` (settings, presets), ``calibrate`` (measure the best preset
 for a store), ``cache`` (the optional local-disk tier), ``safe_open`` (lazy single-file
-access).
+access) with ``readahead`` (its reads in the order of the calls).
 """
 from .calibrate import calibrate
 from .iterator import SafetensorsStream, stream_safetensors

@@ -1,15 +1,27 @@
-"""Where yielded tensors live: fresh CPU tensors, or CUDA tensors filled through pinned memory.
+"""Where yielded tensors live: CPU tensors filled by the I/O threads, or tensors the
+consumer's thread fills (CUDA through pinned memory; distributed streams).
 
-The copy out of a read's bytes happens in the consumer's thread while the network fills
-the next ranges; for CUDA it goes through :class:`~ckptturbo.staging.DeviceCopier`'s
-pinned ring, whose buffers are reserved from the stream's memory budget for its life.
+On the CPU, :class:`Scatter` copies each read's bytes into the destination tensors it
+covers on the I/O thread that fetched it, as soon as it arrives: the consumer's thread
+only waits and yields, and the page faults of fresh destination memory (about a second
+per GiB) are taken by the I/O threads while the network fills the next ranges. The read's
+own bytes are dropped at once, so a range is held once, in its destinations.
+
+:class:`Destination` is the consumer-thread path: for CUDA it goes through
+:class:`~ckptturbo.staging.DeviceCopier`'s pinned ring, whose buffers are reserved from the
+stream's memory budget for its life.
 """
 from __future__ import annotations
 
+import threading
+from typing import Sequence
+
+import numpy as np
 import torch
 
-from ..prefetch import MemoryBudget
+from ..prefetch import MemoryBudget, Read
 from ..staging import DeviceCopier
+from .format import TensorInfo
 
 MiB = 1 << 20
 STAGING_PIECE = 16 * MiB  # at most; a stream with smaller reads stages in read-sized pieces
@@ -39,3 +51,66 @@ class Destination:
         self.copier.close()
         self.budget.release(self.reserved)
         self.reserved = 0
+
+
+class Scatter:
+    """Fresh CPU destination tensors, filled from each read's bytes on the I/O thread.
+
+    Tensors are numbered in yield order (``slot``). Each read knows the pieces of the
+    tensors it covers; a destination is allocated (not touched: its pages are faulted by
+    the copies) when the first of its reads arrives, and handed to the consumer by
+    :meth:`take` once every read covering it is filled.
+    """
+
+    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]]) -> None:
+        """``plan``: every tensor in yield order with the reads that cover its bytes."""
+        self._sizes = [t.nbytes for t, _ in plan]
+        self._slots: list[torch.Tensor | None] = [None] * len(plan)
+        # read index -> [(slot, destination offset, offset in the read, length)]
+        self._pieces: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._lock = threading.Lock()
+        for slot, (t, reads) in enumerate(plan):
+            for r in reads:
+                lo, hi = max(r.start, t.start), min(r.end, t.end)
+                if lo < hi:
+                    self._pieces.setdefault(r.index, []).append((slot, lo - t.start, lo - r.start, hi - lo))
+
+    def deliver(self, read: Read, data: bytes | bytearray | memoryview) -> bytes:
+        """Copy ``read``'s bytes into their destinations (on the I/O thread); keep none."""
+        src = np.frombuffer(data, dtype=np.uint8)
+        for slot, dst_at, src_at, n in self._pieces.pop(read.index, ()):
+            dst = self._slot(slot)
+            dst[dst_at:dst_at + n] = src[src_at:src_at + n]  # numpy copies without the GIL
+        return b""
+
+    def _slot(self, slot: int) -> np.ndarray:
+        with self._lock:
+            t = self._slots[slot]
+            if t is None:
+                t = self._slots[slot] = torch.empty(self._sizes[slot], dtype=torch.uint8)
+            return t.numpy()
+
+    def take(self, slot: int) -> torch.Tensor:
+        """The filled destination of tensor ``slot`` (its reads have all been waited for)."""
+        with self._lock:
+            t, self._slots[slot] = self._slots[slot], None
+        return torch.empty(0, dtype=torch.uint8) if t is None else t
+
+    def close(self) -> None:
+        """Drop the destinations not yet taken (a stream closed early)."""
+        with self._lock:
+            self._slots = [None] * len(self._slots)
+            self._pieces.clear()
+
+
+def covering(tensors: Sequence[TensorInfo], reads: Sequence[Read]) -> list[tuple[TensorInfo, list[Read]]]:
+    """Each of one file's tensors (by offset) with the reads (by offset) that cover it."""
+    out, ri = [], 0
+    for t in tensors:
+        while ri < len(reads) and reads[ri].end <= t.start:
+            ri += 1
+        rj = ri
+        while rj < len(reads) and reads[rj].start < t.end:
+            rj += 1
+        out.append((t, list(reads[ri:rj])))
+    return out

@@ -6,17 +6,22 @@ the headers of all files are fetched first, in parallel, with one ranged GET eac
 to hold the whole header of almost every file; a second GET only for larger ones, and the
 rest of the first GET is kept as data, so no byte is read twice). The headers give the
 exact order in which the consumer will want every byte, so a read plan cuts the data into
-large ranges (coalescing neighbouring tensors) and :class:`~ckptturbo.prefetch.Prefetcher`
-keeps the next ranges in flight, ``streams`` at a time, ``lookahead`` files ahead, within
-``memory_limit``. Tensors are yielded as soon as their bytes are in, and each range is
-dropped once its last tensor has been copied out.
+large ranges (coalescing neighbouring tensors; the stream's first ranges small, so the
+first tensors come early) and :class:`~ckptturbo.prefetch.Prefetcher` keeps the next
+ranges in flight, ``streams`` at a time, as far ahead as ``memory_limit`` allows (not a
+number of files: a file window would stop reads while the consumer lags, far under the
+budget). Tensors are yielded as soon as their bytes are in.
 
 Yielded tensors are always fresh allocations of exactly their own size, never views of a
 read buffer: the caller may keep, modify or free them independently (no buffer-reuse
-corruption, and one small tensor never pins a 32 MiB range in memory). The copy out of
-the range buffer happens in the consumer's thread, at memory speed, while the network
-keeps filling the next ranges. Tensors larger than a range (or than the whole memory
-limit) are assembled piece by piece straight into their destination.
+corruption, and one small tensor never pins a 32 MiB range in memory). On the CPU they
+are filled by the I/O threads as each range arrives (:class:`~.device.Scatter`), so the
+consumer's thread only yields; for CUDA and across ranks the consumer's thread copies out
+of the ranges (:class:`~.device.Destination`). Tensors larger than a range (or than the
+whole memory limit) are assembled piece by piece straight into their destination.
+``views=True`` (for consumers that copy each tensor at once, such as vLLM's weight
+loaders) yields read-only views of the ranges instead wherever a tensor lies inside one,
+so each byte is copied once, by the consumer.
 
 Order: files in index/listing order (shard names sort naturally), tensors within a file
 by offset. Byte order: safetensors is little-endian, as are the hosts torch runs on.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import replace
 from typing import Any, Iterator, Protocol, Sequence
 
@@ -33,7 +39,7 @@ import torch
 from ..errors import MismatchError
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from .cache import DiskCache
-from .device import Destination
+from .device import Destination, Scatter, covering
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
 from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
@@ -42,6 +48,9 @@ from .ranges import cut_reads
 from .source import ByteSource, list_files, open_store
 
 log = logging.getLogger(__name__)
+# views=True wraps immutable ``bytes`` without a copy; they are documented read-only
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 
 class Waiter(Protocol):
@@ -94,6 +103,7 @@ class SafetensorsStream:
         self.files: list[StreamFile] = []
         self._reads: list[list[Read]] = []
         self._waiter: Waiter | None = None
+        self._scatter: Scatter | None = None
         self._started = False
         try:
             if self._dist:
@@ -103,6 +113,9 @@ class SafetensorsStream:
                 self.files = self._describe(spec)
             self._wanted = self._select(opts.names)
             self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams)
+            if self.device.type == "cpu" and not self._dist and not opts.views:
+                self._scatter = Scatter([pair for ts, rs in zip(self._wanted, self._reads)
+                                         for pair in covering(ts, rs)])
             self._tails = self._keep_tails()
         except BaseException:
             self.close()
@@ -146,11 +159,21 @@ class SafetensorsStream:
                     tails[r.index] = data
                 else:
                     r.reserved = True  # its share of the tail's reservation
-                    r.fill(data)
+                    r.fill(data if self._scatter is None else self._scatter.deliver(r, data))
         return tails
+
+    def start(self) -> SafetensorsStream:
+        """Start reading now rather than at the first ``next()``, so that bytes arrive while
+        the caller prepares where they go (vLLM builds the model meanwhile). Distributed,
+        every rank must call it at the same point of the stream's life."""
+        if self._waiter is None and not self._started:
+            self._feed()
+        return self
 
     def _feed(self) -> Waiter:
         """Start filling the reads: from storage alone, or once across the group's ranks."""
+        if self._waiter is not None:
+            return self._waiter
         flat = [r for reads in self._reads for r in reads]
         if self._dist:
             feed = ReadOnceFeed(self._group, flat, self.source, self.budget, self.piece,
@@ -159,7 +182,8 @@ class SafetensorsStream:
             feed.start()
             return feed
         prefetcher = Prefetcher(flat, self.source.fetch, self.source.store.submit, self.budget,
-                                streams=self.profile.streams, lookahead=self.profile.lookahead)
+                                streams=self.profile.streams, lookahead=self.profile.lookahead,
+                                deliver=None if self._scatter is None else self._scatter.deliver)
         self._waiter = prefetcher
         prefetcher.start()
         return prefetcher
@@ -180,7 +204,11 @@ class SafetensorsStream:
                 waiter.at_file(fi)
                 reads, ri = self._reads[fi], 0
                 for t in tensors:
-                    buf, ri = self._assemble(t, reads, ri, waiter, dest)
+                    if self._scatter is not None:
+                        ri = self._pass(t, reads, ri, waiter)
+                        buf = self._scatter.take(count)
+                    else:
+                        buf, ri = self._assemble(t, reads, ri, waiter, dest)
                     count, nbytes = count + 1, nbytes + t.nbytes
                     out = buf.view(torch_dtype(t.dtype, f.entry.path)).reshape(t.shape)
                     yield t.name, _convert(out, self.dtype)
@@ -195,8 +223,24 @@ class SafetensorsStream:
             dest.close()
             self.close()
 
+    def _pass(self, t: TensorInfo, reads: list[Read], ri: int, waiter: Waiter) -> int:
+        """Wait for the reads that fill ``t`` (Scatter copied them on arrival); release
+        those it ends."""
+        while ri < len(reads) and reads[ri].start < t.end:
+            r = reads[ri]
+            waiter.wait(r)
+            if r.end > t.end:
+                break
+            waiter.release(r)
+            ri += 1
+        return ri
+
     def _assemble(self, t: TensorInfo, reads: list[Read], ri: int, waiter: Waiter,
                   dest: Destination) -> tuple[torch.Tensor, int]:
+        if self.options.views and self.device.type == "cpu":
+            view, ri = self._view(t, reads, ri, waiter)
+            if view is not None:
+                return view, ri
         buf = dest.new(t.nbytes)
         pos = t.start
         while pos < t.end:
@@ -215,11 +259,30 @@ class SafetensorsStream:
         dest.finish()
         return buf, ri
 
+    def _view(self, t: TensorInfo, reads: list[Read], ri: int,
+              waiter: Waiter) -> tuple[torch.Tensor | None, int]:
+        """``t`` as a read-only view of the one read holding it (None if it spans reads)."""
+        while ri < len(reads) and reads[ri].end <= t.start:  # reads of skipped gaps only
+            waiter.wait(reads[ri])
+            waiter.release(reads[ri])
+            ri += 1
+        if not t.nbytes or ri == len(reads) or reads[ri].end < t.end:
+            return None, ri
+        r = reads[ri]
+        view = torch.frombuffer(waiter.wait(r), dtype=torch.uint8, count=t.nbytes,
+                                offset=t.start - r.start)  # keeps the read's bytes alive
+        if r.end == t.end:
+            waiter.release(r)
+            ri += 1
+        return view, ri
+
     def close(self) -> None:
         """Stop prefetching and free buffers; safe to call more than once."""
         if self._waiter is not None:
             self._waiter.close()
         self._waiter = None
+        if self._scatter is not None:
+            self._scatter.close()
         self.stats.update(self.source.counters(), peak_bytes_held=self.budget.peak,
                           files=len(self.files))
         self.source.close()
@@ -253,10 +316,11 @@ def stream_safetensors(url_or_dir_or_list: str | Sequence[str], options: StreamO
     URLs. Options are the fields of :class:`StreamOptions`, as keywords (``device``,
     ``dtype``, ``lookahead``, ``streams``, ``chunk_size``, ``memory_limit``,
     ``storage_options``, ``process_group``, ``names``, ``profile``, ``cache_dir``,
-    ``cache_max_bytes``, ``cache_validate``, ...) or as one ``options`` object. Settings
-    left as None come from ``profile`` ("model-load", "small-files", a dict, or None for
-    the profile :func:`~ckptturbo.stream.calibrate.calibrate` saved for this endpoint,
-    else "model-load": 32 MiB ranges, 32 streams, lookahead 2, memory_limit 2 GiB).
+    ``cache_max_bytes``, ``cache_validate``, ``views``, ...) or as one ``options`` object.
+    Settings left as None come from ``profile`` ("model-load", "small-files", a dict, or
+    None for the profile :func:`~ckptturbo.stream.calibrate.calibrate` saved for this
+    endpoint, else "model-load": 32 MiB ranges, 32 streams, memory_limit 2 GiB, reads as
+    far ahead as the memory limit allows; ``lookahead=N`` also caps it at N files).
     ``process_group`` (gloo or NCCL, such as tensor-parallel workers' group): every rank
     of the group gets every tensor while storage serves each byte once, forwarded in host
     memory over gloo (see ``distributed``); all ranks must pass the same arguments
@@ -264,7 +328,8 @@ def stream_safetensors(url_or_dir_or_list: str | Sequence[str], options: StreamO
     ``cache``): a later load with the same settings makes no request at all. Pickle
     checkpoints (.bin/.pt/...) are refused with FormatError.
 
-    Listing and headers are fetched when this is called; bytes flow while iterating.
-    The returned object is an iterator with ``.stats`` and ``.close()``.
+    Listing and headers are fetched when this is called; bytes flow from ``.start()`` or
+    the first ``next()``. The returned object is an iterator with ``.stats``, ``.start()``
+    and ``.close()``.
     """
     return SafetensorsStream(url_or_dir_or_list, options, **kwargs)

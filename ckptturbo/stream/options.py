@@ -19,7 +19,10 @@ class StreamOptions:
     win. ``memory_limit`` bounds the bytes the streamer holds (ranges in flight or
     waiting, pinned staging buffers); yielded tensors belong to the caller. ``dtype``
     casts floating-point tensors (not FP8); ``names`` restricts the tensors (and the
-    bytes read); ``process_group`` (gloo or NCCL) reads once across its ranks; ``cache_dir``
+    bytes read); ``lookahead`` caps how many files ahead reads go (None: as far as
+    ``memory_limit`` allows); ``views`` yields read-only views of the read ranges where a
+    tensor lies in one (no copy: for consumers that copy each tensor at once; a kept view
+    pins its range); ``process_group`` (gloo or NCCL) reads once across its ranks; ``cache_dir``
     enables the local-disk cache, ``cache_validate`` re-lists the files to catch changed
     objects; ``profiles_file`` overrides where calibrated profiles are looked up.
     """
@@ -39,6 +42,7 @@ class StreamOptions:
     cache_validate: bool = False
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE
     profiles_file: str | None = None
+    views: bool = False
 
     def settings(self, url: str) -> StreamProfile:
         """The profile for ``url``'s endpoint with the explicit settings applied, checked."""
@@ -46,6 +50,7 @@ class StreamOptions:
         explicit = dict(chunk_size=self.chunk_size, streams=self.streams, lookahead=self.lookahead,
                         memory_limit=self.memory_limit)
         prof = replace(prof, **{k: v for k, v in explicit.items() if v is not None})
-        if min(prof.chunk_size, prof.streams, prof.lookahead) < 1 or prof.memory_limit < 4096:
+        if (min(prof.chunk_size, prof.streams, 1 if prof.lookahead is None else prof.lookahead) < 1
+                or prof.memory_limit < 4096):
             raise ValueError(f"invalid stream settings {prof} (memory_limit must be >= 4096)")
         return prof

@@ -27,19 +27,20 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class StreamProfile:
-    """How the streamer reads: request size, parallel requests, files ahead, memory bound."""
+    """How the streamer reads: request size, parallel requests, memory bound, and an
+    optional cap on files ahead (None: reads go as far ahead as the memory bound allows)."""
 
     chunk_size: int = 32 * MiB
     streams: int = 32
-    lookahead: int = 2
+    lookahead: int | None = None
     memory_limit: int = 2 << 30
 
 
 PROFILES: dict[str, StreamProfile] = {
-    # few large files: big ranged GETs, many at once, the next file already on its way
-    "model-load": StreamProfile(chunk_size=32 * MiB, streams=32, lookahead=2, memory_limit=2 << 30),
-    # many small files: small requests, many files ahead so per-file latency overlaps
-    "small-files": StreamProfile(chunk_size=4 * MiB, streams=16, lookahead=16, memory_limit=512 * MiB),
+    # few large files: big ranged GETs, many at once, ahead as far as memory allows
+    "model-load": StreamProfile(chunk_size=32 * MiB, streams=32, memory_limit=2 << 30),
+    # many small files: small requests, so per-file latency overlaps within less memory
+    "small-files": StreamProfile(chunk_size=4 * MiB, streams=16, memory_limit=512 * MiB),
 }
 DEFAULT_PROFILE = "model-load"
 

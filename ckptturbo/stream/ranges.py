@@ -13,6 +13,7 @@ from .headers import StreamFile
 MiB = 1 << 20
 MIN_PIECE = 4 * MiB  # smallest read worth a round trip when files are cut for parallelism
 GAP_MERGE = 1 * MiB  # with names=, read through gaps up to this size rather than split a range
+RAMP_START = 1 * MiB  # the stream's first reads: this size, doubling every two reads up to the grid's
 
 
 def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]],
@@ -21,9 +22,14 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
 
     A fixed grid (rather than tensor-aligned ranges) keeps every read at most ``piece``
     bytes, lets tensors of any size span reads, and makes read ranges (hence cache keys)
-    the same on every load with the same settings.
+    the same on every load with the same settings. The stream's first reads ramp up from
+    ``RAMP_START``: all ``streams`` requests start together and share the link, so the
+    first tensor arrives after ~``streams`` times its read's size; small first reads let
+    the consumer start early, and the grid is joined after a few of them.
     """
-    out, index = [], 0
+    out: list[list[Read]] = []
+    index = 0
+    ramp: list[int] | None = None  # the ramp's cut points, in the stream's first file with data
     for fi, (f, tensors) in enumerate(zip(files, wanted)):
         # a file smaller than streams x piece is cut finer, down to MIN_PIECE, so that even
         # one small file keeps several requests in flight
@@ -34,12 +40,32 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
             pos = a
             while pos < b:
                 cut = probe if pos < probe else probe + ((pos - probe) // step + 1) * step
+                if ramp is None:
+                    ramp = _ramp(max(pos, probe), step)
+                if index and not reads:
+                    ramp = []  # a later file: the stream is already under way
+                while ramp and ramp[0] <= pos:
+                    ramp.pop(0)
+                if ramp and pos >= probe:
+                    cut = min(cut, ramp[0])
                 end = min(b, cut)
                 reads.append(Read(index, fi, f.entry.path, pos, end))
                 index += 1
                 pos = end
         out.append(reads)
     return out
+
+
+def _ramp(pos: int, step: int) -> list[int]:
+    """Cut points from ``pos`` on for reads of 1, 1, 2, 2, 4, 4 MiB ... while below ``step``."""
+    cuts, size, n = [], RAMP_START, 0
+    while size < step:
+        pos += size
+        cuts.append(pos)
+        n += 1
+        if n % 2 == 0:
+            size *= 2
+    return cuts
 
 
 def _intervals(tensors: Sequence[TensorInfo]) -> list[tuple[int, int]]:

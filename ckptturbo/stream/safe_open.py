@@ -11,6 +11,7 @@ as safetensors' do). Code written against safetensors catches ``SafetensorError`
 """
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -22,8 +23,10 @@ from safetensors import SafetensorError
 from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import HEADER_PROBE, fetch_header
+from .readahead import ReadAhead, guess_order
 from .source import ByteSource, FileEntry, open_store
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 FRAMEWORKS = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "numpy", "numpy": "numpy"}
 OTHER_FRAMEWORKS = ("tf", "tensorflow", "jax", "flax", "mlx", "paddle")  # safetensors', not ours
@@ -166,13 +169,20 @@ class SafeOpen:
     ``get_tensor`` is one ranged GET (parallel GETs of ``chunk_size`` for large tensors);
     ``get_tensors`` reads the whole data section that way; ``get_slice(name)[a:b]``
     fetches only rows a..b. Small tensors inside the first GET are served from its bytes.
+
+    Remote files are read ahead once the ``get_tensor`` calls follow ``keys()`` or the
+    file's order (the first call is the first name, or two calls are neighbours): the
+    following tensors are fetched in that order, ``streams`` GETs at a time within
+    ``memory_limit`` (see :mod:`.readahead`), so ``for k in f.keys(): f.get_tensor(k)``
+    streams. A call out of that order stops it. ``read_ahead=False`` never starts it.
     """
 
     def __init__(self, filename: str | os.PathLike[str], framework: str = "pt",
                  device: str | int | torch.device | None = "cpu",
                  storage_options: dict[str, Any] | None = None, *, backend: str = "mmap",
                  chunk_size: int = 32 * MiB, streams: int = 16,
-                 max_header_size: int = DEFAULT_MAX_HEADER_SIZE) -> None:
+                 max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+                 memory_limit: int = 1 << 30, read_ahead: bool = True) -> None:
         self.name = os.fsdecode(os.fspath(filename))
         self.framework = _framework(framework, self.name)
         if backend not in BACKENDS:
@@ -180,7 +190,11 @@ class SafeOpen:
                                       f"(expected one of: {', '.join(map(repr, BACKENDS))})")
         self.device = _device(device, self.framework, self.name)
         self.chunk_size = chunk_size
+        self.streams = streams
+        self.memory_limit = memory_limit
         self._closed = False
+        self._calls: list[str] | None = [] if read_ahead else None  # until an order is known
+        self._ahead: ReadAhead | None = None
         with _as_safetensors_error():
             refuse_pickle_name(self.name)
         self._source = ByteSource(open_store(self.name, storage_options, streams), None)
@@ -224,7 +238,50 @@ class SafeOpen:
 
     def get_tensor(self, name: str) -> Any:
         info = self._info(name)
-        return self._deliver(self._typed(self._read(info.start, info.end), info), info)
+        raw = self._ahead_read(info)
+        if raw is None:
+            raw = self._read(info.start, info.end)
+        return self._deliver(self._typed(raw, info), info)
+
+    def _ahead_read(self, info: TensorInfo) -> torch.Tensor | None:
+        """The tensor's bytes from the read-ahead, starting it once the calls show an order.
+        (Tensors inside the header GET's bytes are served from them, outside any order.)"""
+        if self._ahead is not None:
+            slot = self._ahead.position(info.name)
+            if slot is not None:
+                return self._ahead.take(slot)
+            if not self._in_tail(info.start, info.end):
+                log.debug("%s: %r is out of the read-ahead's order: reading per call",
+                          self.name, info.name)
+                self._stop_ahead()
+                self._calls = None
+            return None
+        if self._calls is None or self._source.store.is_local:
+            return None
+        self._calls.append(info.name)
+        order = guess_order(self._calls, [self.keys(), self.offset_keys()])
+        if order is None:
+            if len(self._calls) >= 2:
+                self._calls = None  # no order to follow
+            return None
+        self._calls = None
+        by_name = self._file.header.by_name
+        tensors = [by_name[n] for n in order
+                   if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
+        if tensors:
+            self._ahead = ReadAhead(tensors, self._entry.path,
+                                    lambda r: self._source.get(self._entry, r.start, r.end, cacheable=False),
+                                    self._source.store.submit, self.memory_limit, self.chunk_size,
+                                    self.streams)
+        return None
+
+    def _in_tail(self, start: int, end: int) -> bool:
+        return self._file.tail is not None and end <= self._file.probe_end
+
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, in file order, from one read of the data section (on CPU the
@@ -245,7 +302,7 @@ class SafeOpen:
         buf = torch.empty(end - start, dtype=torch.uint8)
         out = buf.numpy()
         f = self._file
-        if f.tail is not None and end <= f.probe_end:
+        if self._in_tail(start, end):
             lo = start - f.header.data_start
             out[:] = np.frombuffer(f.tail, dtype=np.uint8, count=end - start, offset=lo)
             return buf
@@ -290,6 +347,7 @@ class SafeOpen:
 
     def close(self) -> None:
         self._closed = True
+        self._stop_ahead()
         self._source.close()
 
     def __enter__(self) -> SafeOpen:

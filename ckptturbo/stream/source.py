@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 import fsspec
 
-from ..errors import CheckpointNotFound, FormatError
+from ..errors import CheckpointKindError, CheckpointNotFound, FormatError
+from ..layout import MANIFEST_NAME
 from ..prefetch import Read
 from ..store import ObjectInfo, Store
 from .cache import DiskCache, cache_key
@@ -185,6 +186,9 @@ def _list_location(store: Store, url: str) -> tuple[list[FileEntry], dict[str, s
     names = sorted(n for n in direct if n.endswith(".safetensors"))
     if names:
         return [_entry(direct[n]) for n in names], None
+    if MANIFEST_NAME in direct:
+        raise CheckpointKindError(f"{store.url}: holds a ckptturbo checkpoint ({MANIFEST_NAME}), "
+                                  "not safetensors: load it with ct.load or ct.load_state_dict")
     pickles = sorted(n for n in direct if n.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
         raise FormatError(f"{store.url}: holds only pickle checkpoints ({', '.join(pickles[:5])}); "
