@@ -285,7 +285,6 @@ class SafetensorsStream:
             self._scatter.close()
         self.stats.update(self.source.counters(), peak_bytes_held=self.budget.peak,
                           files=len(self.files))
-        self.source.close()
 
     def __enter__(self) -> SafetensorsStream:
         return self

@@ -205,11 +205,8 @@ class SafeOpen:
             self._source.register([entry])
             with _as_safetensors_error():
                 self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size)
-        except BaseException as exc:
-            self._source.close()
-            if isinstance(exc, CheckpointNotFound):  # safetensors' words: callers match on them
-                raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
-            raise
+        except CheckpointNotFound as exc:  # safetensors' words: callers match on them
+            raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
         self._entry = entry
 
     def _header(self) -> Header:
@@ -348,7 +345,6 @@ class SafeOpen:
     def close(self) -> None:
         self._closed = True
         self._stop_ahead()
-        self._source.close()
 
     def __enter__(self) -> SafeOpen:
         return self

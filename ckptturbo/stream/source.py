@@ -120,9 +120,6 @@ class ByteSource:
             out["cache_corrupt"] = self.cache.stats["corrupt"]
         return out
 
-    def close(self) -> None:
-        """Nothing is held here: the store's I/O threads belong to its session."""
-
 
 def list_files(source: ByteSource, spec: str | Sequence[str],
                validate: bool = False) -> tuple[list[FileEntry], dict[str, str] | None]:
