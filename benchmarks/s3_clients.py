@@ -221,6 +221,10 @@ def measure(server: Any, endpoint: str, args: argparse.Namespace) -> dict[str, A
     chunk = args.chunk_mib * MiB
     payload = memoryview(bytearray(os.urandom(chunk)) * args.chunks)
     clients = make_clients(server, endpoint)
+    for client in clients:  # opening the client, first connections: not what is measured
+        client.put("warm-up", payload[:1 << 20])
+        client.get("warm-up", 0, 1 << 20)
+        client.get_small("warm-up")
     samples: dict[str, list[dict]] = {c.name: [] for c in clients}
     for rep in range(args.reps):
         for client in (clients if rep % 2 == 0 else clients[::-1]):
