@@ -291,3 +291,26 @@ def test_cli_ls_marks_the_unreadable_checkpoint_and_lists_the_rest(tmp_path, cap
     listed = json.loads(capsys.readouterr().out)
     assert [(c["name"], c["error"] is None) for c in listed] == [("a", False), ("b", True)]
     assert "not valid JSON" in listed[0]["error"]
+
+
+def test_a_save_makes_few_control_requests(s3_server):
+    """Issue 23: before its first chunk PUT a save made ~9 sequential small requests (s3fs
+    added a HEAD + LIST before reading each absent control object, and a HEAD + LIST after
+    the empty chunk listing). Now a run's first save makes: the bucket check, the marker,
+    gc.lock, gc.generation, one chunk listing; then the chunk, the manifest, the final
+    marker renewal and its delete. A later save skips the bucket check and the listing."""
+    from ckptturbo.testing.fault_proxy import FaultProxy, with_endpoint
+
+    with ct.Session() as session, FaultProxy(s3_server.endpoint) as proxy:
+        options = with_endpoint(s3_server.storage_options, f"http://127.0.0.1:{proxy.port}")
+        run = s3_server.url("run")
+        counts = []
+        for step in range(2):
+            proxy.reset_stats()
+            session.save({"w": torch.ones(1000) * step}, f"{run}/step-{step}",
+                         storage_options=options).wait(60)
+            counts.append(proxy.stats().requests)
+        out = {"w": torch.zeros(1000)}
+        session.load(out, f"{run}/step-1", storage_options=options)
+    assert torch.equal(out["w"], torch.ones(1000))
+    assert counts == [9, 7], counts

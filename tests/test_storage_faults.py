@@ -165,3 +165,41 @@ def test_bodies_that_stall_now_and_then_are_retried_bit_exact(s3_server, monkeyp
     assert stalls.get("stall_upload", 0) > 0 and stalls.get("stall_download", 0) > 0, stalls
     for name, tensor in sd.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_memoryview_bodies_are_sent_whole_and_exact(s3_server, validation):
+    """Bodies go out as views of the caller's buffer (no copy) unless the user turned
+    botocore's parameter validation back on; either way every byte arrives, also for a
+    multi-dimensional view of non-byte items (whose len() is not its byte count) and
+    for a multipart upload."""
+    from ckptturbo.store import Store
+
+    options = dict(s3_server.storage_options, config_kwargs={"parameter_validation": validation})
+    store = Store(s3_server.url(), options, multipart_threshold=12 << 20, part_size=5 << 20)
+    assert store._body_views is not validation
+    grid = torch.arange(6 * (1 << 20), dtype=torch.float32).reshape(6, -1)
+    bodies = {"grid": memoryview(grid.numpy()),  # 24 MiB, 2-D, format "f": multipart
+              "slice": memoryview(grid.numpy().reshape(-1).view("uint8"))[3:(1 << 20) + 3],
+              "bytes": b"plain bytes"}
+    for name, body in bodies.items():
+        path = store.join(store.root, name)
+        store.put(path, body)
+        assert store.get(path) == bytes(body), name
+        assert store.get(path, 5, 9) == bytes(body)[5:9], name
+
+
+def test_payload_is_signed_over_plain_http_only():
+    """UNSIGNED-PAYLOAD only where TLS protects the body; the user's settings win."""
+    from ckptturbo.store import _s3_config
+
+    def signing(options):
+        return _s3_config(options, 8).get("s3", {}).get("payload_signing_enabled", True)
+
+    assert signing({}) is False  # AWS itself: https
+    assert signing({"client_kwargs": {"endpoint_url": "https://minio.example:9000"}}) is False
+    assert signing({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}) is True
+    assert signing({"endpoint_url": "http://127.0.0.1:9000"}) is True
+    assert signing({"config_kwargs": {"s3": {"payload_signing_enabled": True}}}) is True
+    assert _s3_config({}, 32)["max_pool_connections"] == 32
+    assert _s3_config({"config_kwargs": {"max_pool_connections": 4}}, 32)["max_pool_connections"] == 4
