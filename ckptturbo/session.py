@@ -116,6 +116,24 @@ class Session:
                 self._groups[key] = groups.new_gloo_group(key[0])
             return self._groups[key]
 
+    def _release_groups(self) -> None:
+        """Destroy the gloo groups this session made, while the interpreter is still whole.
+        A group left to finalisation can hold gloo work whose tensors need the GIL when
+        freed, which aborts the process (terminate called without an active exception)."""
+        with self._lock:
+            made, self._groups = list(self._groups.values()), {}
+        if not made:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return  # destroy_process_group() already took every group
+        for group in made:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError) as e:  # already destroyed by the application
+                log.debug("gloo group not destroyed at exit: %s", e)
+
     def chunk_index(self, key: tuple) -> ChunkIndex:
         """What this session knows a run's chunk store holds (created empty, unlisted)."""
         from .chunk_index import ChunkIndex
@@ -327,10 +345,17 @@ def _wait_at_exit() -> None:
     thread pools stop. Runs before concurrent.futures refuses new work at exit; bounded by
     the saves' own storage deadlines, or by CKPTTURBO_EXIT_TIMEOUT seconds when set. Each
     save's thread is joined too: a daemon thread still inside torch when the interpreter
-    finalises aborts the process."""
+    finalises aborts the process. Then the gloo groups the sessions made are destroyed."""
+    if _wait_for_flights_at_exit():  # a save given up on may still be inside a collective
+        for session in list(_open_sessions):
+            session._release_groups()
+
+
+def _wait_for_flights_at_exit() -> bool:
+    """Whether every save's thread has ended."""
     flights = [f for s in list(_open_sessions) for f in s._running()]
     if not flights:
-        return
+        return True
     limit = seconds_setting("EXIT_TIMEOUT", None, None, ValueError)
     deadline = None if limit is None else time.monotonic() + limit
     log.info("waiting at exit for %d checkpoint save(s) in flight: %s", len(flights),
@@ -350,6 +375,7 @@ def _wait_at_exit() -> None:
         elif handle.durable.exception() is not None:
             sys.stderr.write(f"ckptturbo: the save to {handle.url} failed and is not committed: "
                              f"{handle.durable.exception()}\n")
+    return not any(f.thread.is_alive() for f in flights)
 
 
 # Registered with threading (not atexit): its exit hooks run, newest first, before

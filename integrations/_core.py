@@ -122,6 +122,11 @@ class DeferredGC:
             if collect_garbage(url, self.storage_options, session=self.session):
                 self._runs.discard(url)
 
+    @property
+    def running(self) -> bool:
+        """Whether a gc pass is under way (it uses the session's threads)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def finish(self) -> None:
         """Wait for a running pass, then collect what is still due (call once saves are durable)."""
         if self._thread is not None:

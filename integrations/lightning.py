@@ -100,7 +100,11 @@ class TurboCheckpointIO(TorchCheckpointIO):
 
         A save of ``path`` in flight anywhere in this process (another Trainer's too) is
         waited for. A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it
-        (``torch.load`` with the same ``map_location`` and ``weights_only``).
+        (``torch.load`` with the same ``map_location`` and ``weights_only``). A missing
+        checkpoint raises ``ckptturbo.CheckpointNotFound`` (a ``FileNotFoundError``) with
+        ``TorchCheckpointIO``'s message, ``Checkpoint file not found: <path>``. Unless saves of
+        the plugin are in flight, the load leaves no thread running (Lightning may load without
+        ever calling ``teardown``: ``_CheckpointConnector.resume_start``).
         """
         url = str(path)
         with ckptturbo_errors("loading", url):
@@ -109,9 +113,14 @@ class TurboCheckpointIO(TorchCheckpointIO):
                 with fs.open(fs_path, "rb") as f:
                     return torch.load(f, map_location=map_location, weights_only=weights_only)
             device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-            return self.session.load_state_dict(url, storage_options=self.storage_options,
-                                                grouped=self.grouped_load, device=device,
-                                                allow_pickle=weights_only is False)
+            try:
+                return self.session.load_state_dict(url, storage_options=self.storage_options,
+                                                    grouped=self.grouped_load, device=device,
+                                                    allow_pickle=weights_only is False)
+            except ct.CheckpointNotFound as exc:
+                raise ct.CheckpointNotFound(f"Checkpoint file not found: {url} ({exc})") from exc
+            finally:
+                self._close_if_idle()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop the checkpoint now; nothing if there is none (or only an uncommitted one). A
@@ -128,6 +137,15 @@ class TurboCheckpointIO(TorchCheckpointIO):
             if self.gc:
                 assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)
+
+    def _close_if_idle(self) -> None:
+        """Stop the session's threads when none of the plugin's saves or gc passes is running;
+        the session starts them again on its next use."""
+        if self._session is None or any(not h.done() for h in self._handles):
+            return
+        if self._gc is not None and self._gc.running:
+            return
+        self._session.close()
 
     def _raise_failed(self) -> None:
         """Raise the first failure of an earlier save; forget the saves that finished."""

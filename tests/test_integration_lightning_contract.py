@@ -135,6 +135,28 @@ def test_only_ckptturbo_errors_leave_the_plugin(tmp_path):
     io.teardown()
 
 
+def test_missing_checkpoint_message_and_no_thread_left_by_a_load(tmp_path):
+    """As TorchCheckpointIO: a FileNotFoundError "Checkpoint file not found: <path>" (Lightning's
+    tests match it); and a load without teardown (the checkpoint connector's resume_start) leaves
+    no thread of the plugin running."""
+    path = tmp_path / "run" / "a.ckpt"
+    saver = TurboCheckpointIO()
+    saver.save_checkpoint({"state_dict": {"w": torch.randn(8)}, "epoch": 3,
+                           "pytorch-lightning_version": pl.__version__}, path)
+    saver.teardown()
+    before = set(threading.enumerate())
+    io = TurboCheckpointIO()
+    with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {tmp_path / 'missing.ckpt'}"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    assert io.load_checkpoint(path)["epoch"] == 3
+    assert new_threads(before) == []
+    trainer = make_trainer(tmp_path, TurboCheckpointIO())
+    trainer.strategy.connect(Tiny())
+    trainer._checkpoint_connector.resume_start(path)  # loads; no teardown follows
+    assert trainer._checkpoint_connector._loaded_checkpoint["epoch"] == 3
+    assert new_threads(before) == []
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_load_from_checkpoint_helper(tmp_path, where, request):
     if where == "s3":
