@@ -67,6 +67,10 @@ def main() -> None:
         torch.save({"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
                     "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                     "global_step": trainer.global_step}, args.out)
+    # torch's advice for every distributed script: a group left to interpreter finalisation
+    # can abort the process at exit
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ def main() -> None:
                                                                           cpu_offload=True))
     if trainer.is_global_zero:
         torch.save(sd, args.dirpath + ".final.pt")
+    # torch's advice for every distributed script: a group left to interpreter finalisation
+    # can abort the process at exit
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
