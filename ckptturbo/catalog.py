@@ -27,6 +27,13 @@ renewal) when its uploads are done; the coordinator must commit within one lease
 
 A manifest gc cannot read (truncated, corrupted, hostile) might name any chunk, so gc
 deletes nothing while one exists and names it; ``ls`` lists the others and marks it.
+
+A self-contained checkpoint (manifest ``chunk_store`` ".") has a store of its own inside
+its directory, under the same rules: its pending markers and gc lock live there, gc of
+the run sweeps it against its one manifest, a save that replaces it sweeps it after the
+commit, and a delete removes it whole (manifest first). Its generation is minted by the
+first save when absent, so a store deleted and made again never repeats the generation a
+process listed the old one at.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
-from .layout import CONTROL_DIR, Location, Manifest, RunStore
+from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
 from .session import pending_saves, url_key, wait_for_saves
 from .store import Store
@@ -76,7 +83,11 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
             end_save(run, save_id, [rank])
             raise SaveInProgress(f"a gc of {store.url_of(run.chunks_root)} held its lock for {wait}s")
         time.sleep(LOCK_POLL)
-    return generation(run)
+    gen = generation(run)
+    if gen == "0" and run.own:  # a delete removes the generation with the store: mint anew
+        gen = uuid.uuid4().hex
+        store.put(run.gc_generation, gen.encode())
+    return gen
 
 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
@@ -170,11 +181,13 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *,
                       session: Session | None = None) -> None:
-    """Remove the manifest (which makes the checkpoint cease to exist); chunks stay for gc.
+    """Remove the manifest (which makes the checkpoint cease to exist); chunks in the run's
+    store stay for gc, a store of the checkpoint's own goes with it.
 
     A save of it in flight in this process is waited for first, so it cannot commit after
     the delete. An unreadable manifest is removed too (with a warning): that is how a run
-    gets rid of it. On a file system the checkpoint's directory goes too once it is empty,
+    gets rid of it. The manifest goes first, so a half-deleted checkpoint never looks
+    committed. On a file system the checkpoint's directory goes too once it is empty,
     also when it held no manifest (a save that never committed). A missing checkpoint
     raises CheckpointNotFound.
     """
@@ -187,9 +200,33 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
             log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
         location.store.delete([location.manifest_path])
     finally:
+        _drop_own_store(Location(url, storage_options, OWN_STORE, session=session).run)
         if location.store.is_local:
-            with contextlib.suppress(OSError):  # not empty (someone else's files): kept
-                os.rmdir(location.path)
+            _remove_empty_dirs(location.path)
+
+
+def _drop_own_store(run: RunStore) -> None:
+    """Delete a checkpoint's own store (its manifest is gone), under the gc protocol: a
+    save of it in flight elsewhere keeps it (logged), and its fresh markers are kept."""
+    store = run.store
+    if not store.list_files(run.control_dir):  # a checkpoint in the run's store
+        return
+    try:
+        with _gc_lock(run, dry_run=False):
+            now = time.time()
+            doomed = [f.path for f in store.list_files(run.control_dir) if f.path != run.gc_lock
+                      and not (f.path.startswith(run.pending_dir) and _fresh(store, f.path, now))]
+            store.delete(doomed)
+    except SaveInProgress as exc:
+        log.warning("kept the chunk store of %s: %s", store.url_of(run.root), exc)
+
+
+def _remove_empty_dirs(path: str) -> None:
+    """Remove a local checkpoint's directory and the empty ones under it; a directory that
+    still holds files (someone else's, a save's fresh marker) is kept with its parents."""
+    for root, _, _ in os.walk(path, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
 
 
 @dataclass
@@ -200,57 +237,116 @@ class GcReport:
     kept_recent: int
     dry_run: bool
 
+    def __add__(self, other: "GcReport") -> "GcReport":
+        """Two stores' reports as one (a run's store and its checkpoints' own)."""
+        return GcReport(self.referenced + other.referenced, self.deleted + other.deleted,
+                        self.deleted_bytes + other.deleted_bytes,
+                        self.kept_recent + other.kept_recent, self.dry_run)
+
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     dry_run: bool = False, grace_seconds: float = 0.0,
                     session: Session | None = None) -> GcReport:
-    """Delete chunks of the run's store that no committed checkpoint of the run names.
+    """Delete chunks of the run's store that no committed checkpoint of the run names, and
+    chunks of each self-contained checkpoint's own store that its manifest does not name.
 
     Raises SaveInProgress while a save's marker holds its lease, and FormatError (deleting
     nothing) while a manifest of the run is unreadable: its chunks cannot be told apart.
+    A run without a store of its own (every checkpoint self-contained) gets no lock or
+    control file: its directory keeps listing only checkpoints.
     """
     run = RunStore.for_run(run_url, storage_options, session=session)
-    store = run.store
-    now = time.time()
-    lock = None if dry_run else Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
-    try:
-        live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
-        if live and not dry_run:
-            raise SaveInProgress(f"{len(live)} save(s) in progress under {run_url}; "
-                                 "run gc again when they are committed")
-        if not dry_run:
-            store.put(run.gc_generation, uuid.uuid4().hex.encode())
+    shared = bool(run.store.list_files(run.pending_dir) or run.store.list_dirs(run.chunks_root))
+    report = GcReport(0, 0, 0, 0, dry_run)
+    with _gc_lock(run, dry_run) if shared else contextlib.nullcontext():
         referenced: set[str] = set()
-        unreadable = []
+        own, unreadable = [], []
         for url, manifest in _committed(run_url, storage_options, session):
             if isinstance(manifest, FormatError):
                 unreadable.append(f"{url} ({manifest})")
+            elif manifest.chunk_store == OWN_STORE:
+                own.append(url)
             else:
                 referenced.update(manifest.chunks)
-        if unreadable:
+        if unreadable and shared:
             raise FormatError(f"gc of {run_url} deleted nothing: {len(unreadable)} unreadable "
                               f"manifest(s) might reference any chunk: {'; '.join(unreadable)}. "
                               "Restore them, or remove them with `ckptturbo rm`")
-        doomed, kept_recent, doomed_bytes = [], 0, 0
-        for info in store.list_files(run.chunks_root):
-            cid = info.path.rsplit("/", 1)[-1]
-            if cid in referenced:
-                continue
-            if info.mtime is not None and now - info.mtime < grace_seconds:
-                kept_recent += 1
-                continue
-            doomed.append(info.path)
-            doomed_bytes += info.size
-        if not dry_run:
-            store.delete(doomed)
-        log.info("gc %s: %d referenced, %d unreferenced chunks (%d bytes)%s", run_url,
-                 len(referenced), len(doomed), doomed_bytes, " [dry run]" if dry_run else "")
-        return GcReport(len(referenced), len(doomed), doomed_bytes, kept_recent, dry_run)
+        if shared:
+            report = _sweep(run, referenced, dry_run, grace_seconds)
+    for url in own:
+        report = report + collect_checkpoint(Location(url, storage_options, OWN_STORE, session=session),
+                                             dry_run=dry_run, grace_seconds=grace_seconds)
+    return report
+
+
+def collect_checkpoint(location: Location, *, dry_run: bool = False,
+                       grace_seconds: float = 0.0) -> GcReport:
+    """Delete the chunks of a self-contained checkpoint's own store that its manifest does
+    not name: what a save that replaced it, or a failed save to it, left behind. The
+    manifest is read under the store's gc lock, so a save committed meanwhile is seen."""
+    with _gc_lock(location.run, dry_run):
+        try:
+            manifest = location.read_manifest()
+            referenced = set(manifest.chunks) if manifest.chunk_store == OWN_STORE else set()
+        except CheckpointNotFound:  # deleted meanwhile: its store is garbage
+            referenced = set()
+        return _sweep(location.run, referenced, dry_run, grace_seconds)
+
+
+def sweep_replaced(location: Location) -> None:
+    """After a save replaced a self-contained checkpoint: free the old version's chunks,
+    which no gc of the run's store would reach. A failure is only logged: the save stands,
+    and ``ckptturbo gc`` of the run frees them later."""
+    try:
+        collect_checkpoint(location)
+    except CkptTurboError as exc:
+        log.warning("could not free the replaced chunks of %s (%s); `ckptturbo gc` of its "
+                    "run frees them", location.url, exc)
+
+
+@contextlib.contextmanager
+def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
+    """Hold a store's gc lock (a lease) while chunks are judged and deleted: refuse while a
+    save's marker is fresh, and bump the generation before anything is deleted. A dry run
+    takes no lock and changes nothing."""
+    store = run.store
+    if dry_run:
+        yield
+        return
+    lock = Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
+    try:
+        now = time.time()
+        live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
+        if live:
+            raise SaveInProgress(f"{len(live)} save(s) in progress under {store.url_of(run.root)}; "
+                                 "run gc again when they are committed")
+        store.put(run.gc_generation, uuid.uuid4().hex.encode())
+        yield
     finally:
-        if lock is not None:
-            lock.stop()
-            try:
-                store.delete([run.gc_lock])
-            except CkptTurboError:
-                log.warning("could not remove %s; it expires after its %ss lease",
-                            run.gc_lock, lock.lease)
+        lock.stop()
+        try:
+            store.delete([run.gc_lock])
+        except CkptTurboError:
+            log.warning("could not remove %s; it expires after its %ss lease",
+                        run.gc_lock, lock.lease)
+
+
+def _sweep(run: RunStore, referenced: set[str], dry_run: bool, grace_seconds: float) -> GcReport:
+    """Delete the store's chunks not in ``referenced`` (older than the grace period)."""
+    store, now = run.store, time.time()
+    doomed, kept_recent, doomed_bytes = [], 0, 0
+    for info in store.list_files(run.chunks_root):
+        cid = info.path.rsplit("/", 1)[-1]
+        if cid in referenced:
+            continue
+        if info.mtime is not None and now - info.mtime < grace_seconds:
+            kept_recent += 1
+            continue
+        doomed.append(info.path)
+        doomed_bytes += info.size
+    if not dry_run:
+        store.delete(doomed)
+    log.info("gc %s: %d referenced, %d unreferenced chunks (%d bytes)%s", store.url_of(run.root),
+             len(referenced), len(doomed), doomed_bytes, " [dry run]" if dry_run else "")
+    return GcReport(len(referenced), len(doomed), doomed_bytes, kept_recent, dry_run)

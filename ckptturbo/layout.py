@@ -6,6 +6,12 @@
     <run>/.ckptturbo/gc.lock                        a gc in progress (same lease)
     <run>/.ckptturbo/gc.generation                  changes whenever a gc may delete chunks
     <run>/<checkpoint>/manifest.json                JSON, written last: the commit
+    <run>/<checkpoint>/.ckptturbo/...               a self-contained checkpoint's own store
+                                                    (manifest ``chunk_store`` "."): same layout
+
+A manifest's ``chunk_store`` says where its chunks are: ".." (``RUN_STORE``, the run's
+store, shared by its checkpoints), "." (``OWN_STORE``: the checkpoint's own directory, so
+it can be copied or moved on its own) or an absolute URL.
 
 ``FORMAT_VERSION`` versions the manifest; ``CONTROL_VERSION`` the chunk fan-out and the
 control records. The manifest carries everything DCP's ``Metadata`` carries (tensor
@@ -48,6 +54,8 @@ CHUNKS_DIR = f"{CONTROL_DIR}/chunks"
 PENDING_DIR = f"{CONTROL_DIR}/pending"
 GC_LOCK = f"{CONTROL_DIR}/gc.lock"
 GC_GENERATION = f"{CONTROL_DIR}/gc.generation"
+RUN_STORE = ".."  # manifest ``chunk_store``: the run's store, beside the checkpoint
+OWN_STORE = "."  # manifest ``chunk_store``: inside the checkpoint's own directory
 log = logging.getLogger(__name__)
 
 # Bytes per element of every dtype torch names, so a manifest is validated without importing
@@ -234,7 +242,7 @@ class Manifest:
     storage_meta: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
-    chunk_store: str = ".."
+    chunk_store: str = RUN_STORE
     dcp_version: str | None = None
 
     # --- serialisation
@@ -278,7 +286,7 @@ class Manifest:
                 for p in shard.pieces:
                     if p.chunk not in chunks or p.offset + p.length > chunks[p.chunk]:
                         raise FormatError(f"{where}: {fqn!r} names bytes outside chunk {p.chunk}")
-        store = _typed(doc, "chunk_store", str, "..", where)
+        store = _typed(doc, "chunk_store", str, RUN_STORE, where)
         created = _typed(doc, "created", (int, float), 0, where)
         return cls(items=items, chunks={k: int(v) for k, v in chunks.items()},
                    planner_data=_planner_data_from_json(doc.get("planner_data")),
@@ -321,11 +329,16 @@ class Manifest:
 
 
 class RunStore:
-    """A run's chunk store and its control files: the paths a save and a gc share."""
+    """A run's chunk store and its control files: the paths a save and a gc share.
 
-    def __init__(self, store: Store, root: str) -> None:
+    ``own``: the store of one self-contained checkpoint (``OWN_STORE``), which a delete
+    removes whole, control files included (``catalog``)."""
+
+    def __init__(self, store: Store, root: str, *, own: bool = False) -> None:
         self.store = store
         self.root = root.rstrip("/") or "/"
+        self.own = own
+        self.control_dir = store.join(self.root, CONTROL_DIR)
         self.chunks_root = store.join(self.root, CHUNKS_DIR)
         self.pending_dir = store.join(self.root, PENDING_DIR)
         self.gc_lock = store.join(self.root, GC_LOCK)
@@ -351,7 +364,10 @@ class RunStore:
 
 
 class Location:
-    """Where one checkpoint's manifest and its run's chunk store are."""
+    """Where one checkpoint's manifest and its chunk store are.
+
+    ``store_url``: None or ``RUN_STORE`` for the run's store (the checkpoint's parent),
+    ``OWN_STORE`` for a store inside the checkpoint's directory, else the store's URL."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  store_url: str | None = None, *, session: Any = None) -> None:
@@ -364,9 +380,12 @@ class Location:
             raise FormatError(f"checkpoint URL {self.url!r} needs a parent directory or bucket "
                               "prefix to hold the chunk store, e.g. s3://bucket/run/step-100")
         self.manifest_path = self.store.join(self.path, MANIFEST_NAME)
-        if store_url is None:
+        if store_url is None or store_url == RUN_STORE:
             self.run = RunStore(self.store, parent)
-            self.chunk_store_ref = ".."
+            self.chunk_store_ref = RUN_STORE
+        elif store_url == OWN_STORE:
+            self.run = RunStore(self.store, self.path, own=True)
+            self.chunk_store_ref = OWN_STORE
         else:
             self.run = RunStore.for_run(store_url, storage_options, session=session)
             self.chunk_store_ref = str(store_url)
@@ -377,8 +396,12 @@ class Location:
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
                      manifest: Manifest, *, session: Any = None) -> "Location":
         """The location a committed manifest points at (its chunk store may be elsewhere)."""
-        store_url = None if manifest.chunk_store == ".." else manifest.chunk_store
-        return cls(url, storage_options, store_url, session=session)
+        return cls(url, storage_options, manifest.chunk_store, session=session)
+
+    @property
+    def self_contained(self) -> bool:
+        """Whether the checkpoint's directory holds its chunks (``OWN_STORE``)."""
+        return self.run.own
 
     def chunk_path(self, cid: str) -> str:
         return self.run.chunk_path(cid)

@@ -48,7 +48,9 @@ class TurboWriter(StorageWriter, AsyncStager):
     Args:
         url: checkpoint location, a path or fsspec URL (``s3://bucket/run/step-100``).
         storage_options: passed to fsspec unchanged (endpoint, key, secret, ...).
-        store: chunk store URL; defaults to the checkpoint's parent (the run).
+        store: where the chunks go: the checkpoint's parent, the run (default, or ".."), so
+            its checkpoints share them; "." for the checkpoint's own directory, so that it
+            can be copied or moved alone (no dedup with other checkpoints); or a URL.
         chunk_size: bytes per chunk of large tensors (the unit of parallelism and dedup).
         pool_bytes: host staging pool size; default: see ``staging.default_pool_bytes``.
         balance: split replicated items over their holders (False: DCP's whole-item dedup).
@@ -254,10 +256,13 @@ class TurboWriter(StorageWriter, AsyncStager):
             manifest = build_manifest(metadata, save_plan.decode_results(sent), url=self.url,
                                       save_id=self.save_id, chunk_store_ref=location.chunk_store_ref,
                                       world_size=len(results))
+            replaces = location.self_contained and location.store.exists(location.manifest_path)
             location.write_manifest(manifest)
         finally:
             for marker, ranks in markers.items():
                 catalog.end_save(location.run, marker, ranks)
+        if replaces:  # the old version's chunks are in the same store; no run gc reaches them
+            catalog.sweep_replaced(location)
         log.info("committed %s: %d items, %d new bytes, %d reused", self.url, len(manifest.items),
                  manifest.stats["bytes_written"], manifest.stats["bytes_reused"])
 

@@ -59,8 +59,9 @@ def exists(url: str, storage_options: dict[str, Any] | None = None, *,
 
 def remove(url: str, storage_options: dict[str, Any] | None = None, *,
            session: ct.Session | None = None) -> None:
-    """Make a checkpoint cease to exist (its manifest goes; chunks wait for gc); a save of
-    it in flight is waited for first, and a missing one is left as it is."""
+    """Make a checkpoint cease to exist (its manifest goes; chunks in a shared store wait for
+    gc, a self-contained checkpoint's go with it); a save of it in flight is waited for
+    first, and a missing one is left as it is."""
     try:
         _session(session).delete(str(url), storage_options=storage_options)
     except ct.CheckpointNotFound:

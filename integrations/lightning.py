@@ -5,8 +5,11 @@ this process alone (no collective) and returns once the checkpoint dict is copie
 memory; hashing, upload and the manifest commit run behind training. A failed save is
 raised by the next ``save_checkpoint`` or by ``teardown()``, which also closes the plugin's
 own ``ckptturbo.Session`` (no thread is left). Each ``.ckpt`` path becomes a
-ckptturbo checkpoint directory; checkpoints of one ``dirpath`` share its chunk store, so
-unchanged tensors are written once. ``load_checkpoint`` needs no template: it rebuilds
+self-contained ckptturbo checkpoint directory holding its own chunks, as Lightning's
+contract has it: ``dirpath`` lists only checkpoints, and a ``.ckpt`` copied or moved
+elsewhere loads. ``store="run"`` shares one chunk store among the checkpoints of a
+``dirpath`` instead, so unchanged tensors (frozen layers) are written once; the
+checkpoints then load only beside that store. ``load_checkpoint`` needs no template: it rebuilds
 Lightning's whole dict from the manifest, and when every rank loads (``fit(ckpt_path=...)``)
 storage is read once and forwarded between ranks.
 """
@@ -29,6 +32,20 @@ from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
 
 log = logging.getLogger(__name__)
 
+# ``store=`` of the adapters, as the core's ``TurboWriter(store=...)`` names it
+STORES = {"checkpoint": ".", "run": ".."}
+
+
+def _chunk_store(store: str) -> str:
+    """The core's ``store=`` for an adapter's: "checkpoint" (each checkpoint holds its own
+    chunks), "run" (the checkpoints of a dirpath share one store), or a URL."""
+    return STORES.get(store, store)
+
+
+def _shared(store: str) -> bool:
+    """Whether checkpoints share a chunk store, freed by gc, rather than each holding its own."""
+    return _chunk_store(store) != STORES["checkpoint"]
+
 
 class TurboCheckpointIO(TorchCheckpointIO):
     """CheckpointIO writing ckptturbo checkpoints to a local path or any fsspec URL (``s3://``).
@@ -44,17 +61,24 @@ class TurboCheckpointIO(TorchCheckpointIO):
             Lightning's per-call ``storage_options`` are merged over them.
         grouped_load: when ranks load inside a process group, read each chunk once and
             forward it (every rank must then call ``load_checkpoint``, as Lightning does).
-        gc: after ``remove_checkpoint`` (``ModelCheckpoint(save_top_k=...)``), free the
-            chunks no kept checkpoint uses, in the background once the saves in flight are
-            durable.
+        store: where a checkpoint's chunks go. "checkpoint" (default): inside its own
+            ``.ckpt`` directory, which is then self-contained (copy, move or upload it
+            alone; ``remove_checkpoint`` deletes it whole). "run": one chunk store
+            ``.ckptturbo/`` beside the checkpoints of a ``dirpath``, shared by them, so
+            tensors unchanged between checkpoints (frozen weights) are stored once. A URL:
+            that chunk store.
+        gc: with a shared store, after ``remove_checkpoint`` (``ModelCheckpoint(save_top_k=...)``)
+            free the chunks no kept checkpoint uses, in the background once the saves in
+            flight are durable. A self-contained checkpoint's chunks go with it.
         writer_options: passed to ``ckptturbo.TurboWriter`` (``chunk_size``, ...).
     """
 
     def __init__(self, storage_options: dict[str, Any] | None = None, *, grouped_load: bool = True,
-                 gc: bool = True, **writer_options: Any) -> None:
+                 store: str = "checkpoint", gc: bool = True, **writer_options: Any) -> None:
         super().__init__()
         self.storage_options = storage_options
         self.grouped_load = grouped_load
+        self.store = store
         self.gc = gc
         self.writer_options = writer_options
         self._handles: list[ct.SaveHandle] = []
@@ -88,7 +112,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
             self._raise_failed()
             reserved = _reserve(url)
             handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
-                               collective=False, session=self.session, **self.writer_options)
+                               collective=False, session=self.session,
+                               store=_chunk_store(self.store), **self.writer_options)
             if reserved:
                 handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
             self._handles.append(handle)
@@ -124,9 +149,10 @@ class TurboCheckpointIO(TorchCheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Drop the checkpoint now; nothing if there is none (or only an uncommitted one). A
-        save of it in flight is waited for first, so it cannot come back. Its unshared chunks
-        are freed in the background. A plain file or a link (``save_last="link"``) is removed
-        as ``TorchCheckpointIO`` removes it."""
+        save of it in flight is waited for first, so it cannot come back. A self-contained
+        checkpoint goes whole; in a shared store its unshared chunks are freed in the
+        background. A plain file or a link (``save_last="link"``) is removed as
+        ``TorchCheckpointIO`` removes it."""
         url = str(path)
         with ckptturbo_errors("removing", url):
             fs, fs_path = fsspec.core.url_to_fs(url, **(self.storage_options or {}))
@@ -134,7 +160,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
                 fs.rm(fs_path)
                 return
             remove(url, self.storage_options, session=self.session)  # an empty directory goes too
-            if self.gc:
+            if self.gc and _shared(self.store):
                 assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)
 
@@ -230,9 +256,11 @@ class _TurboShardedCheckpoints:
     load the model's and optimizers' own sharded state dicts are the templates, so each
     rank reads its shards (any resharding DCP supports), and the rest of Lightning's dict
     is rebuilt without a template. Paths are plain strings, so ``s3://`` stays intact.
+    ``turbo_store`` is ``TurboCheckpointIO``'s ``store``: self-contained checkpoints by default.
     """
 
     turbo_storage_options: dict[str, Any] | None = None
+    turbo_store: str = "checkpoint"
 
     def _turbo_handles(self) -> list[Any]:
         if not hasattr(self, "_turbo_inflight"):
@@ -247,7 +275,8 @@ class _TurboShardedCheckpoints:
             if handle.durable.exception() is not None:
                 raise handle.durable.exception()
         opts = {**(self.turbo_storage_options or {}), **dict(storage_options or {})} or None
-        handle = save_tree(checkpoint, url, storage_options=opts, collective=True)
+        handle = save_tree(checkpoint, url, storage_options=opts, collective=True,
+                           store=_chunk_store(self.turbo_store))
         handles.append(handle)
         handle.staged.result()
 
@@ -278,6 +307,8 @@ class _TurboShardedCheckpoints:
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             remove(str(filepath), self.turbo_storage_options)
+            if not _shared(self.turbo_store):
+                return  # its chunks went with it
             if not hasattr(self, "_turbo_gc"):
                 self._turbo_gc = DeferredGC(self.turbo_storage_options)
             self._turbo_gc.schedule(run_of(str(filepath)), self._turbo_handles())
@@ -296,12 +327,14 @@ class _TurboShardedCheckpoints:
 def _strategy(base: type) -> type:
     class Turbo(_TurboShardedCheckpoints, base):  # type: ignore[valid-type, misc]
         __doc__ = (f"``{base.__name__}`` saving sharded ckptturbo checkpoints (local or ``s3://``). "
-                   "Pass ``turbo_storage_options=`` for the object store.")
+                   "Pass ``turbo_storage_options=`` for the object store, ``turbo_store=\"run\"`` "
+                   "to share one chunk store among the checkpoints of a directory.")
 
         def __init__(self, *args: Any, turbo_storage_options: dict[str, Any] | None = None,
-                     **kwargs: Any) -> None:
+                     turbo_store: str = "checkpoint", **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.turbo_storage_options = turbo_storage_options
+            self.turbo_store = turbo_store
 
     Turbo.__name__ = Turbo.__qualname__ = f"Turbo{base.__name__}"
     return Turbo

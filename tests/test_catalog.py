@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
+import uuid
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import catalog, chunk_index, lease
+from ckptturbo import catalog, chunk_index, cli, lease
 from ckptturbo.layout import Location
+from ckptturbo.store import Store
 from ckptturbo.testing.launcher import run_distributed
 
 
@@ -314,3 +318,109 @@ def test_a_save_makes_few_control_requests(s3_server):
         session.load(out, f"{run}/step-1", storage_options=options)
     assert torch.equal(out["w"], torch.ones(1000))
     assert counts == [9, 7], counts
+
+
+# --- self-contained checkpoints: manifest chunk_store "." ---------------------------------
+
+def _objects(url: str, options: dict | None = None) -> list[str]:
+    """Every object stored under a URL, relative to it."""
+    store = Store(url, options)
+    return [info.path[len(store.root) + 1:] for info in store.list_files(store.root)]
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """(run URL, storage options) on a local disk or the embedded S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    s3 = request.getfixturevalue("s3_server")
+    return s3.url(f"self-contained-{uuid.uuid4().hex[:8]}"), s3.storage_options
+
+
+def test_self_contained_checkpoint_lives_in_its_own_directory(where, capsys):
+    run, opts = where
+    sd = tensors(0)
+    ct.save(sd, f"{run}/a", store=".", storage_options=opts, pack_threshold=1024).wait(timeout=60)
+    manifest = Location(f"{run}/a", opts).read_manifest()
+    assert manifest.chunk_store == "."
+    objects = _objects(run, opts)
+    assert {o for o in objects if not o.startswith("a/.ckptturbo/chunks/")} == {
+        "a/manifest.json", "a/.ckptturbo/gc.generation"}
+    assert {o.rsplit("/", 1)[-1] for o in objects if "/chunks/" in o} == set(manifest.chunks)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ct.load(out, f"{run}/a", storage_options=opts)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    assert [c.name for c in catalog.list_checkpoints(run, opts)] == ["a"]
+    extra = ["--storage-options", json.dumps(opts)] if opts else []
+    assert cli.main(["verify", f"{run}/a", *extra]) == 0
+    assert cli.main(["ls", run, *extra]) == 0
+    report = catalog.collect_garbage(run, opts)  # nothing to do, and no run store made
+    assert report.deleted == 0 and report.referenced == len(manifest.chunks)
+    assert not any(o.startswith(".ckptturbo/") for o in _objects(run, opts))
+    ct.delete(f"{run}/a", storage_options=opts)
+    assert _objects(run, opts) == []
+    assert catalog.list_checkpoints(run, opts) == []
+    capsys.readouterr()
+
+
+def test_copied_self_contained_checkpoint_loads_and_verifies(tmp_path):
+    sd = tensors(1)
+    ct.save(sd, str(tmp_path / "run" / "a"), store=".", pack_threshold=1024).wait(timeout=60)
+    shutil.copytree(tmp_path / "run" / "a", tmp_path / "elsewhere" / "copy")
+    shutil.rmtree(tmp_path / "run")
+    assert load_equal(str(tmp_path / "elsewhere" / "copy"), sd)
+    assert cli.main(["verify", str(tmp_path / "elsewhere" / "copy")]) == 0
+    ct.delete(str(tmp_path / "elsewhere" / "copy"))
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_run_mixing_shared_and_self_contained_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    a, b = tensors(2), tensors(3)
+    ct.save(a, str(run / "shared"), pack_threshold=1024).wait(timeout=60)
+    ct.save(b, str(run / "own"), store=".", pack_threshold=1024).wait(timeout=60)
+    ct.save(a, str(run / "gone"), store=".", pack_threshold=1024).wait(timeout=60)
+    own_chunks = set(_objects(str(run / "own")))
+    ct.delete(str(run / "gone"))
+    assert sorted(os.listdir(run)) == [".ckptturbo", "own", "shared"]
+    assert [c.name for c in catalog.list_checkpoints(str(run))] == ["shared", "own"]
+    assert catalog.collect_garbage(str(run)).deleted == 0
+    ct.delete(str(run / "shared"))
+    assert catalog.collect_garbage(str(run)).deleted > 0  # the run store's, not "own"'s
+    assert set(_objects(str(run / "own"))) == own_chunks
+    assert load_equal(str(run / "own"), b)
+    assert cli.main(["inspect", str(run / "own")]) == 0
+    assert cli.main(["export", str(run / "own"), str(tmp_path / "st"), "--format", "safetensors"]) == 0
+    capsys.readouterr()
+
+
+def test_replacing_a_self_contained_checkpoint_frees_the_old_chunks(tmp_path):
+    url = str(tmp_path / "run" / "last")
+    for seed in (4, 5):
+        ct.save(tensors(seed), url, store=".", pack_threshold=1024).wait(timeout=60)
+    manifest = Location(url).read_manifest()
+    chunks = {o.rsplit("/", 1)[-1] for o in _objects(url) if "/chunks/" in o}
+    assert chunks == set(manifest.chunks)
+    assert load_equal(url, tensors(5))
+
+
+def test_save_after_delete_of_a_self_contained_checkpoint_relists(tmp_path):
+    """A delete removes the store's generation with it; the next save mints a new one, so
+    the process's index of that store (listed before the delete) is not trusted."""
+    url = str(tmp_path / "run" / "a")
+    sd = tensors(6)
+    ct.save(sd, url, store=".", pack_threshold=1024).wait(timeout=60)
+    ct.delete(url)
+    ct.save(sd, url, store=".", pack_threshold=1024).wait(timeout=60)
+    assert Location(url).read_manifest().stats["bytes_reused"] == 0
+    assert cli.main(["verify", url]) == 0
+    assert load_equal(url, sd)
+
+
+def test_delete_of_an_uncommitted_self_contained_save_removes_its_chunks(tmp_path):
+    url = str(tmp_path / "run" / "a")
+    ct.save(tensors(7), url, store=".", pack_threshold=1024).wait(timeout=60)
+    os.remove(tmp_path / "run" / "a" / "manifest.json")  # as if the commit never came
+    with pytest.raises(ct.CheckpointNotFound):
+        ct.delete(url)
+    assert os.listdir(tmp_path / "run") == []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_ddp_fit_top_k_and_resume_identical(tmp_path):
     run_ddp(tmp_path, str(run), tmp_path / "a.pt", epochs=3, top_k=2)
     kept = [c.name for c in catalog.list_checkpoints(str(run))]
     assert kept == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
-    assert sorted(p.name for p in run.glob("*.ckpt")) == kept  # removed ones leave no directory
+    assert sorted(os.listdir(run)) == kept  # removed ones leave nothing; no run store beside them
     # the removed checkpoint's chunks were freed: nothing unreferenced is left
     assert catalog.collect_garbage(str(run), dry_run=True).deleted == 0
     # resume from the epoch-1 checkpoint in a fresh DDP run: same end state as the straight run
@@ -111,8 +112,8 @@ def test_plugin_round_trip_is_exact_without_template(tmp_path):
     assert_equal_tree(ckpt, io.load_checkpoint(path))
 
 
-def test_plugin_dedups_unchanged_tensors_and_frees_removed(tmp_path):
-    io = TurboCheckpointIO(chunk_size=1 << 16, pack_threshold=1 << 12)
+def test_plugin_with_run_store_dedups_unchanged_tensors_and_frees_removed(tmp_path):
+    io = TurboCheckpointIO(store="run", chunk_size=1 << 16, pack_threshold=1 << 12)
     ckpt = lightning_like_checkpoint()
     ckpt["state_dict"]["frozen"] = torch.randn(256, 1024)  # 1 MiB, unchanged between saves
     run = tmp_path / "run"
@@ -129,6 +130,39 @@ def test_plugin_dedups_unchanged_tensors_and_frees_removed(tmp_path):
     assert [c.name for c in catalog.list_checkpoints(str(run))] == ["b.ckpt"]
     assert catalog.collect_garbage(str(run), dry_run=True).deleted == 0
     assert_equal_tree(ckpt, io.load_checkpoint(run / "b.ckpt"))
+
+
+def test_default_save_leaves_only_checkpoints_in_dirpath(tmp_path):
+    io = TurboCheckpointIO()
+    run = tmp_path / "run"
+    for name in ("a.ckpt", "b.ckpt", "last.ckpt", "last.ckpt"):  # last.ckpt is replaced
+        io.save_checkpoint(lightning_like_checkpoint(), run / name)
+    io.teardown()
+    assert sorted(os.listdir(run)) == ["a.ckpt", "b.ckpt", "last.ckpt"]
+    # the replaced version's chunks went with the second save of last.ckpt
+    assert catalog.collect_garbage(str(run), dry_run=True).deleted == 0
+
+
+def test_copied_checkpoint_loads_bit_exact_elsewhere(tmp_path):
+    io = TurboCheckpointIO()
+    ckpt = lightning_like_checkpoint()
+    io.save_checkpoint(ckpt, tmp_path / "run" / "best.ckpt")
+    io.teardown()
+    shutil.copytree(tmp_path / "run" / "best.ckpt", tmp_path / "elsewhere" / "best.ckpt")
+    shutil.rmtree(tmp_path / "run")
+    assert_equal_tree(ckpt, io.load_checkpoint(tmp_path / "elsewhere" / "best.ckpt"))
+
+
+def test_remove_of_self_contained_checkpoint_leaves_nothing(tmp_path):
+    io = TurboCheckpointIO()
+    run = tmp_path / "run"
+    io.save_checkpoint(lightning_like_checkpoint(), run / "a.ckpt")
+    io.save_checkpoint(lightning_like_checkpoint(), run / "b.ckpt")
+    io.remove_checkpoint(run / "a.ckpt")
+    io.teardown()
+    assert os.listdir(run) == ["b.ckpt"]
+    io.remove_checkpoint(run / "b.ckpt")
+    assert os.listdir(run) == []
 
 
 def test_failed_save_surfaces_on_next_save_or_teardown(tmp_path):
