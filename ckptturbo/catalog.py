@@ -180,7 +180,7 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
 
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *,
-                      session: Session | None = None) -> None:
+                      session: Session | None = None) -> bool:
     """Remove the manifest (which makes the checkpoint cease to exist); chunks in the run's
     store stay for gc, a store of the checkpoint's own goes with it.
 
@@ -189,16 +189,18 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
     gets rid of it. The manifest goes first, so a half-deleted checkpoint never looks
     committed. On a file system the checkpoint's directory goes too once it is empty,
     also when it held no manifest (a save that never committed). A missing checkpoint
-    raises CheckpointNotFound.
+    raises CheckpointNotFound. Returns whether its chunks went with it (self-contained).
     """
     wait_for_saves(url)
     location = Location(url, storage_options, session=session)
+    own = False
     try:
         try:
-            location.read_manifest()
+            own = location.read_manifest().chunk_store == OWN_STORE
         except FormatError as exc:
             log.warning("deleting unreadable checkpoint %s (%s)", url, exc)
         location.store.delete([location.manifest_path])
+        return own
     finally:
         _drop_own_store(Location(url, storage_options, OWN_STORE, session=session).run)
         if location.store.is_local:

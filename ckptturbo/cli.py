@@ -264,8 +264,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    """Removing the manifest is the atomic delete; chunks may be shared, so gc frees them."""
-    delete_checkpoint(args.ckpt, args.storage_options)
+    """Removing the manifest is the atomic delete; chunks may be shared, so gc frees them
+    (a self-contained checkpoint's chunks go with it)."""
+    if delete_checkpoint(args.ckpt, args.storage_options):
+        print(f"deleted {args.ckpt} and its chunks")
+        return EXIT_OK
     run = args.ckpt.rstrip("/").rsplit("/", 1)[0]
     print(f"deleted {args.ckpt}; run `ckptturbo gc {run}` to free chunks no other checkpoint uses")
     return EXIT_OK

@@ -151,6 +151,14 @@ def test_rm_then_gc_frees_only_unreferenced_chunks(run, capsys):
     assert cli(capsys, "verify", f"{run}/step-2")[0] == 0
 
 
+def test_rm_of_a_self_contained_checkpoint_says_its_chunks_went_with_it(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    save(state(1), f"{run}/step-1", store=".")
+    rc, out, _ = cli(capsys, "rm", f"{run}/step-1")
+    assert rc == 0 and "and its chunks" in out and "gc" not in out
+    assert not os.path.exists(f"{run}/step-1")
+
+
 def test_gc_refuses_while_a_save_is_pending(run, capsys):
     assert cli(capsys, "rm", f"{run}/step-1")[0] == 0
     marker = os.path.join(run, ".ckptturbo", "pending", "some-save")
