@@ -135,6 +135,25 @@ def is_auth(exc: BaseException) -> bool:
     return classify(exc) is Failure.AUTH
 
 
+def is_past_the_end(exc: BaseException) -> bool:
+    """A ranged read that starts past the object's end (S3's InvalidRange, HTTP 416): the
+    object is shorter than the read expected, which is a short read, not a failed request."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        response = getattr(seen, "response", None)
+        if _package(seen) == "botocore" and isinstance(response, dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return (response.get("Error") or {}).get("Code") == "InvalidRange" or status == 416
+        if getattr(seen, "status", None) == 416 and _package(seen) == "aiohttp":
+            return True
+        if not _wraps(seen):
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _wraps(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or _package(exc) in _STORAGE_PACKAGES
 
