@@ -30,7 +30,8 @@ def save(state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
     ``tiers=ct.Tiers(...)``: commit to this node's host memory first (``handle.local``) and
     persist to ``url`` only every ``persist_every``-th save of the run, or with
     ``persist=True``; ``handle.durable`` then resolves with None for a save that was not
-    persisted (``handle.persisted`` says which). See docs/tiers.md.
+    persisted (``handle.persisted`` says which). A tiered save waits only for the previous
+    one's ``local``: persists run behind the next saves. See docs/tiers.md.
     """
     return default_session().save(state_dict, url, process_group=process_group,
                                   collective=collective, storage_options=storage_options,

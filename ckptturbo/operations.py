@@ -69,12 +69,13 @@ def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str
     not yet resolved with the same ckptturbo error."""
     with ckptturbo_errors("saving", url):  # options the writer does not take
         writer = session.writer(target, storage_options, writer_options, collective)
-    previous = session.saves_of(writer)
+    previous = [h for h in session.saves_of(writer) if not _gate(h).done()]
     if previous:
         if not wait_previous:
-            raise SaveInProgress(f"the previous save to {previous[-1].url} is not durable yet")
+            where = "in host memory" if hasattr(previous[-1], "local") else "durable"
+            raise SaveInProgress(f"the previous save to {previous[-1].url} is not {where} yet")
         with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            previous[-1].durable.exception()
+            _gate(previous[-1]).exception()
     group = session.gloo_group(process_group, "save") if collective and dist.is_initialized() else None
     started = time.monotonic()
 
@@ -86,9 +87,12 @@ def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str
         writer.reset(target)
         writer.on_staged = staged
         try:
-            with single_process(group is None):
-                dcp.save(state_dict, storage_writer=writer, process_group=group,
-                         planner=planner, no_dist=group is None)
+            try:
+                with single_process(group is None):
+                    dcp.save(state_dict, storage_writer=writer, process_group=group,
+                             planner=planner, no_dist=group is None)
+            finally:  # before after_commit: once it resolves `local`, the next save sets its own
+                writer.on_staged = None
             stats = writer.last_stats
             summary = SaveSummary(
                 url=url, bytes_total=stats.bytes_written + stats.bytes_reused,
@@ -106,11 +110,15 @@ def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str
             for future in (handle.staged, getattr(handle, "local", None), handle.durable):
                 if future is not None and not future.done():
                     future.set_exception(error)
-        finally:
-            writer.on_staged = None
 
     session.track(url, handle, writer, run)
     return handle
+
+
+def _gate(handle: SaveHandle) -> Any:
+    """The future a save's successor through the same writer waits for: its commit to the
+    writer's target (``durable``; for a tiered save ``local``, its persist runs behind)."""
+    return getattr(handle, "local", handle.durable)
 
 
 def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import catalog
 from .chunk_source import ChunkSource
+from .agreement import agree, gather
 from .errors import CheckpointNotFound, ChunksUnavailable, FormatError, names_preview
 from .failures import as_ckptturbo_error
 from .layout import Location, Manifest
@@ -141,14 +142,16 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
     both tiers when none can be assembled."""
     wait_for_saves(url, under=True)
-    run, candidates = _candidates(session, url, tiers, storage_options)
+    run, candidates = agree(group, f"listing the tiers of {url}",
+                            lambda: _candidates(session, url, tiers, storage_options))[_rank(group)]
     for name in _agreed(group, candidates):
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
                               session=session, **reader_options)
-        problem = _gathered(group, _manifest_problem(reader))
-        if any(problem):
-            log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problem if p))
+        problems = agree(group, f"reading the manifest of {checkpoint}",
+                         lambda: _manifest_problem(reader))
+        if any(problems):
+            log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
             continue
         try:
             result = attempt(reader)
@@ -193,16 +196,12 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
     return run, found
 
 
-def _gathered(group: Any, value: Any) -> list[Any]:
-    if group is None:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
+def _rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _agreed(group: Any, candidates: dict[str, float]) -> list[str]:
     """The names every rank found, newest first (by the first rank's creation times)."""
-    every = _gathered(group, candidates)
+    every = gather(group, candidates)
     common = set(every[0]).intersection(*every[1:])
     return sorted(common, key=lambda n: (every[0][n], n), reverse=True)

@@ -3,14 +3,16 @@
 The save itself is the ordinary one (DCP with a TurboWriter), aimed at this node's
 memory-tier run instead of the durable URL, so staging, hashing, dedup, verification and
 the commit rule are unchanged and the stall is still the copy. What follows the commit
-runs on the save's thread, collectively over the save's gloo group, in the same order on
-every rank:
+runs on the save's thread, collectively, in the same order on every rank:
 
 1. the coordinator's manifest goes to every other node's memory tier (it is small, and a
-   node must be able to verify what it holds without asking another): ``local`` resolves;
-2. each node evicts its oldest memory-tier checkpoints beyond the budget;
-3. when this save is due to persist: each node uploads the chunks it holds that the durable
-   store lacks, then the coordinator commits the durable manifest: ``durable`` resolves
+   node must be able to verify what it holds without asking another);
+2. each node evicts its oldest memory-tier checkpoints beyond the budget (before `local`,
+   so that no later save of this run is writing to the tier meanwhile); ``local`` resolves
+   and the next save may start;
+3. when this save is due to persist, behind the next saves, on a gloo group of its own and
+   after the run's earlier persists: each node uploads the chunks it holds that the durable
+   store lacks, then the coordinator commits the durable manifest; ``durable`` resolves
    with the summary. A save that is not persisted resolves ``durable`` with None at once:
    a checkpoint only in memory is never reported durable.
 
@@ -19,17 +21,20 @@ fails the save on all of them instead of leaving the others waiting.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from . import eviction, persist
+from .agreement import agree, gather
 from .errors import CkptTurboError
 from .layout import MANIFEST_NAME, Location, Manifest
+from .session import pending_saves
 from .staging import SaveHandle, SaveSummary
 from .tiers import Tiers, split_checkpoint
 
@@ -48,6 +53,7 @@ class TieredSaveHandle(SaveHandle):
     def __init__(self, url: str, persisted: bool) -> None:
         super().__init__(url)
         self.persisted = persisted
+        self.sequence = 0  # the save's number among the run's tiered saves in its session
         self.local: Future[SaveSummary] = Future()
         self.local.set_running_or_notify_cancel()
 
@@ -59,7 +65,7 @@ class TieredSaveHandle(SaveHandle):
 
 class _Ranks:
     """The save's ranks as the steps after the commit see them: who coordinates, which
-    node each rank is on, and the one collective they need (agreeing on an outcome)."""
+    node each rank is on."""
 
     def __init__(self, group: Any, node: str) -> None:
         self.group = group
@@ -67,8 +73,7 @@ class _Ranks:
             self.rank, self.nodes = 0, [node]
         else:
             self.rank = dist.get_rank(group)
-            self.nodes = [None] * dist.get_world_size(group)
-            dist.all_gather_object(self.nodes, node, group=group)
+            self.nodes = gather(group, node)
         self.node = node
 
     @property
@@ -88,24 +93,6 @@ class _Ranks:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def agree(self, step: str, action: Callable[[], Any]) -> list[Any]:
-        """Run ``action`` here, then every rank's result; any rank's failure is raised on
-        every rank (the first one, naming its rank), so no rank waits for a failed one."""
-        try:
-            mine: tuple[Any, BaseException | None] = (action(), None)
-        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, raised below
-            mine = (None, exc)
-        everyone = [mine]
-        if self.group is not None:
-            everyone = [None] * len(self.nodes)
-            dist.all_gather_object(everyone, mine, group=self.group)
-        for rank, (_, error) in enumerate(everyone):
-            if error is not None:
-                if rank == self.rank:
-                    raise error
-                raise CkptTurboError(f"{step} failed on rank {rank}: {error}") from error
-        return [result for result, _ in everyone]
-
 
 def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *,
          persist: bool, process_group: Any, collective: bool,
@@ -118,6 +105,11 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     memory_url = tiers.memory_url(url)
     count = session.count_save(("tiers", run_url))
     handle = TieredSaveHandle(url, tiers.persists(count, persist))
+    handle.sequence = count
+    # persists run behind the next saves, so on a group of their own (made here, on the
+    # caller's thread, where every rank makes its groups in the same order)
+    persist_group = (session.gloo_group(process_group, "persist")
+                     if collective and dist.is_initialized() else None)
     started = time.monotonic()
 
     def after_commit(group: Any, committed: SaveSummary) -> None:
@@ -127,25 +119,38 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         ranks = _Ranks(group, tiers.node_name)
         memory = Location(memory_url, session=session)
         manifest_bytes = ranks.share(memory.store.get(memory.manifest_path) if ranks.coordinator else None)
-        ranks.agree("writing the manifest to every node's memory tier",
-                    lambda: _spread_manifest(memory, manifest_bytes, ranks))
-        handle.local.set_result(local)
-        if ranks.node_leader:
+        agree(group, f"writing the manifest of {url} to every node's memory tier",
+              lambda: _spread_manifest(memory, manifest_bytes, ranks))
+        if ranks.node_leader:  # before `local`: no later save of this writer runs yet
+            in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
             try:
-                eviction.evict(tiers.memory_run(run_url), tiers.budget(), keep=frozenset([name]),
-                               session=session)
-            except CkptTurboError as exc:  # the checkpoint stands; the tier is over budget
+                eviction.evict(tiers.memory_run(run_url), tiers.budget(),
+                               keep=frozenset(in_flight | {name}), session=session)
+            except (CkptTurboError, OSError) as exc:  # the checkpoint stands, over budget
                 log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
         if not handle.persisted:
+            handle.local.set_result(local)
             handle.durable.set_result(None)
             return
-        handle.durable.set_result(_persist(session, url, memory, manifest_bytes, ranks,
+        handle.local.set_result(local)  # the next save may start: this persist runs behind it
+        for older in _persists_before(session, run_url, handle):
+            with contextlib.suppress(Exception):  # its failure belongs to its own handle
+                older.durable.exception()
+        handle.durable.set_result(_persist(session, url, memory, manifest_bytes,
+                                           _Ranks(persist_group, tiers.node_name),
                                            storage_options, local, started))
 
     return run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
                     collective=collective, storage_options=None, planner=planner,
                     wait_previous=wait_previous, writer_options=writer_options,
                     after_commit=after_commit)
+
+
+def _persists_before(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
+    """The persists of the run's earlier saves still running: one persist at a time, in
+    save order on every rank, because they share one group."""
+    return [h for h in session.saves_in_flight(run_url, under=True)
+            if isinstance(h, TieredSaveHandle) and h.persisted and h.sequence < handle.sequence]
 
 
 def _spread_manifest(memory: Location, data: bytes, ranks: _Ranks) -> None:
@@ -162,10 +167,10 @@ def _persist(session: Session, url: str, memory: Location, manifest_bytes: bytes
     durable = Location(url, storage_options, session=session)
     save_id = f"{manifest.storage_meta.get('save_id', 'tiered')}-persist"
     leaders = [r for r, node in enumerate(ranks.nodes) if ranks.nodes.index(node) == r]
-    copied = ranks.agree(f"persisting {url}", lambda: persist.copy_chunks(
+    copied = agree(ranks.group, f"persisting {url}", lambda: persist.copy_chunks(
         memory.run, durable.run, manifest, save_id, ranks.rank) if ranks.node_leader else None)
-    ranks.agree(f"committing {url}", lambda: persist.commit(durable, manifest, save_id, leaders)
-                if ranks.coordinator else None)
+    agree(ranks.group, f"committing {url}", lambda: persist.commit(durable, manifest, save_id, leaders)
+          if ranks.coordinator else None)
     done = [c for c in copied if c is not None]
     written = sum(c.bytes_written for c in done)
     return SaveSummary(url=url, bytes_total=manifest.total_bytes, bytes_staged=local.bytes_staged,

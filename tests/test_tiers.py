@@ -180,3 +180,17 @@ def test_tiers_cli_lists_which_tiers_hold_each_checkpoint_and_collects_per_tier(
     assert "deleted 1 unreferenced chunks" in capsys.readouterr().out
     assert main(["gc", run]) == 0
     assert "deleted 0 unreferenced chunks" in capsys.readouterr().out
+
+
+def test_a_persist_runs_behind_the_next_save(tmp_path, s3_server):
+    run = s3_server.url()
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    with FaultProxy(s3_server.endpoint, latency_s=0.3) as proxy, ct.Session() as s:
+        slow = proxy.storage_options(s3_server.storage_options)
+        first = s.save(tiered_state(1), f"{run}/step-1", storage_options=slow, tiers=tiers, persist=True)
+        first.local.result()
+        second = s.save(tiered_state(2), f"{run}/step-2", storage_options=slow, tiers=tiers)
+        second.local.result()  # committed to memory while the first persist still uploads
+        assert not first.durable.done()
+        assert first.wait() is not None and second.wait() is None
+        assert _durable_names(run, slow) == ["step-1"]
