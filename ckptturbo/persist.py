@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from . import catalog
 from .chunk_index import index_for
+from .chunk_store import ChunkStore
 from .errors import IntegrityError, StorageError, names_preview
 from .integrity import chunk_problem
 from .layout import Location, Manifest, RunStore
@@ -37,7 +38,23 @@ class Copied:
 
 def chunks_held(run: RunStore) -> set[str]:
     """The ids of the chunks a run's store holds (one listing)."""
-    return {info.path.rsplit("/", 1)[-1] for info in run.store.list_files(run.chunks_root)}
+    return chunk_ids(run.store, run.chunks_root)
+
+
+def chunk_ids(store: ChunkStore, chunks_root: str) -> set[str]:
+    """The ids of the chunks under ``chunks_root`` of any tier."""
+    return {info.path.rsplit("/", 1)[-1] for info in store.list_files(chunks_root)}
+
+
+def copy_chunk(cid: str, size: int, source: ChunkStore, source_path: str, target: ChunkStore,
+               target_path: str) -> None:
+    """Copy one chunk between tiers, checked against its name on the way: a copy damaged
+    at rest in the source must not become the target's."""
+    data = source.get(source_path)
+    problem = chunk_problem(cid, data, size)
+    if problem is not None:
+        raise IntegrityError(f"chunk {source_path} {problem}; not copied to {target_path}")
+    target.put(target_path, data)
 
 
 def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, save_id: str,
@@ -52,13 +69,8 @@ def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, save_id
         todo = [cid for cid in ours if cid not in index]
 
         def copy(cid: str) -> None:
-            path = memory.chunk_path(cid)
-            data = memory.store.get(path)
-            problem = chunk_problem(cid, data, manifest.chunks[cid])
-            if problem is not None:
-                raise IntegrityError(f"memory-tier chunk {memory.store.url_of(path)} {problem}; "
-                                     f"not persisted to {durable.store.url_of(durable.root)}")
-            durable.store.put(durable.chunk_path(cid), data)
+            copy_chunk(cid, manifest.chunks[cid], memory.store, memory.chunk_path(cid),
+                       durable.store, durable.chunk_path(cid))
             index.add(cid)
 
         durable.store.map(copy, todo)

@@ -194,3 +194,25 @@ def test_a_persist_runs_behind_the_next_save(tmp_path, s3_server):
         assert not first.durable.done()
         assert first.wait() is not None and second.wait() is None
         assert _durable_names(run, slow) == ["step-1"]
+
+
+def test_every_tier_is_a_chunk_store(tmp_path, s3_server):
+    from ckptturbo.chunk_store import ChunkStore
+    from ckptturbo.errors import IntegrityError
+    from ckptturbo.persist import copy_chunk
+    from ckptturbo.chunks import chunk_id
+    from ckptturbo.store import Store
+
+    memory = Store(str(tmp_path / "mem"))
+    durable = Store(s3_server.url(), s3_server.storage_options)
+    assert isinstance(memory, ChunkStore) and isinstance(durable, ChunkStore)
+    data = b"x" * 1000
+    cid = chunk_id(data)
+    memory.put(memory.join(memory.root, cid), data)
+    copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable, durable.join(durable.root, cid))
+    assert durable.get(durable.join(durable.root, cid), 10, 20) == data[10:20]
+    memory.put(memory.join(memory.root, cid), b"y" * 1000)  # damaged at rest: never copied on
+    with pytest.raises(IntegrityError, match="corrupt"):
+        copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable,
+                   durable.join(durable.root, "other"))
+    assert not durable.exists(durable.join(durable.root, "other"))
