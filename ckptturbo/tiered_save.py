@@ -120,7 +120,7 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         memory = Location(memory_url, session=session)
         manifest_bytes = ranks.share(memory.store.get(memory.manifest_path) if ranks.coordinator else None)
         agree(group, f"writing the manifest of {url} to every node's memory tier",
-              lambda: _spread_manifest(memory, manifest_bytes, ranks))
+              lambda: _commit_on_node(memory, manifest_bytes, ranks))
         if ranks.node_leader:  # before `local`: no later save of this writer runs yet
             in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
             try:
@@ -153,11 +153,18 @@ def _persists_before(session: Session, run_url: str, handle: TieredSaveHandle) -
             if isinstance(h, TieredSaveHandle) and h.persisted and h.sequence < handle.sequence]
 
 
-def _spread_manifest(memory: Location, data: bytes, ranks: _Ranks) -> None:
+def _commit_on_node(memory: Location, data: bytes, ranks: _Ranks) -> None:
     """A node leader writes the coordinator's manifest into its own memory tier (the
-    coordinator's node has it already)."""
-    if ranks.node_leader and ranks.nodes[0] != ranks.node:
-        memory.store.put(memory.manifest_path, data)
+    coordinator's node has it already) and removes the save's pending markers there: the
+    coordinator's commit removes those of its own node only, and a marker left behind
+    would keep the node's evictions from freeing chunks for one lease. Every rank's
+    ``dcp.save`` has returned, and the next save of this run waits for ``local``, so every
+    marker there is this save's."""
+    if not ranks.node_leader or ranks.nodes[0] == ranks.node:
+        return
+    memory.store.put(memory.manifest_path, data)
+    run = memory.run
+    run.store.delete([info.path for info in run.store.list_files(run.pending_dir)])
 
 
 def _persist(session: Session, url: str, memory: Location, manifest_bytes: bytes, ranks: _Ranks,

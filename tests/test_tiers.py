@@ -134,6 +134,7 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
         for i in (1, 2, 3):
             s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts, tiers=tiers).wait()
         assert _memory_names(tiers, run) == ["step-1", "step-2", "step-3"]  # manifests on every node
+        assert not list((Path(tiers.memory_run(run)) / ".ckptturbo" / "pending").glob("*"))
         assert _durable_names(run, opts) == ["step-2"]
 
         out = {f"w{rank}": torch.zeros(50_000)}
