@@ -107,7 +107,9 @@ class TieredReader(TurboReader):
             try:
                 self._manifest = Location(self.memory_url, session=self._session).read_manifest()
                 self.manifest_tier = MEMORY
-            except CheckpointNotFound:
+            except (CheckpointNotFound, FormatError) as exc:
+                if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
+                    log.warning("%s; reading the durable copy of %s instead", exc, self.url)
                 self._manifest = Location(self.url, self.storage_options, session=self._session).read_manifest()
                 self.manifest_tier = DURABLE
             self._location = self._durable()

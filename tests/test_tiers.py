@@ -217,3 +217,26 @@ def test_every_tier_is_a_chunk_store(tmp_path, s3_server):
         copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable,
                    durable.join(durable.root, "other"))
     assert not durable.exists(durable.join(durable.root, "other"))
+
+
+def test_a_memory_manifest_damaged_at_rest_is_refused_by_its_checksum(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+
+    def damage(name: str) -> None:
+        path = Path(tiers.memory_url(f"{run}/{name}")) / "manifest.json"
+        path.write_bytes(path.read_bytes().replace(b'"step"', b'"stap"'))
+
+    with ct.Session() as s:
+        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers, persist=True).wait()
+        s.save(tiered_state(2), f"{run}/step-2", storage_options=opts, tiers=tiers).wait()
+        damage("step-2")  # only in memory: it cannot be verified, so it is not a candidate
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert recovered.url == f"{run}/step-1" and _same(out, tiered_state(1))
+        assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("memory", 0)
+        damage("step-1")  # also durable: the durable manifest, the chunks still from memory
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert recovered.url == f"{run}/step-1" and _same(out, tiered_state(1))
+        assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("durable", 0)
