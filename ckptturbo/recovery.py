@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from . import catalog
 from .chunk_source import ChunkSource
-from .agreement import agree, gather
-from .errors import CheckpointNotFound, ChunksUnavailable, FormatError, names_preview
+from .agreement import agree
+from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
 from .layout import Location, Manifest
 from .persist import chunks_held
@@ -144,9 +144,10 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
     both tiers when none can be assembled."""
     wait_for_saves(url, under=True)
-    run, candidates = agree(group, f"listing the tiers of {url}",
-                            lambda: _candidates(session, url, tiers, storage_options))[_rank(group)]
-    for name in _agreed(group, candidates):
+    found = agree(group, f"listing the tiers of {url}",
+                  lambda: _candidates(session, url, tiers, storage_options))
+    run, candidates = found[0 if group is None else dist.get_rank(group)]
+    for name in newest_first([names for _, names in found]):
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
                               session=session, **reader_options)
@@ -182,28 +183,28 @@ def _manifest_problem(reader: TieredReader) -> str | None:
 def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None
                 ) -> tuple[str, dict[str, float]]:
     """(run, {name: created}) of what this rank can find: ``url`` alone when a tier holds a
-    checkpoint there, else every checkpoint of the run ``url`` in either tier."""
+    manifest there (readable or not: the load decides), else every checkpoint of the run
+    ``url`` in either tier."""
     try:
         run, name = split_checkpoint(url)
-        memory = Location(tiers.memory_url(url), session=session)
-        durable = Location(url, storage_options, session=session)
-        for location in (memory, durable):
-            if location.store.exists(location.manifest_path):
+        locations = [Location(tiers.memory_url(url), session=session),
+                     Location(url, storage_options, session=session)]
+    except CkptTurboError:
+        locations = []  # no parent to hold a chunk store: a run
+    for location in locations:
+        if location.store.exists(location.manifest_path):
+            try:
                 return run, {name: location.read_manifest().created}
-    except (CheckpointNotFound, FormatError):
-        pass  # no checkpoint there: a run
+            except FormatError:
+                return run, {name: 0.0}
     run = url.rstrip("/")
     found = {c.name: c.created for c in catalog.list_checkpoints(run, storage_options, session=session)}
     found.update({c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)})
     return run, found
 
 
-def _rank(group: Any) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def _agreed(group: Any, candidates: dict[str, float]) -> list[str]:
-    """The names every rank found, newest first (by the first rank's creation times)."""
-    every = gather(group, candidates)
-    common = set(every[0]).intersection(*every[1:])
-    return sorted(common, key=lambda n: (every[0][n], n), reverse=True)
+def newest_first(found: list[dict[str, float]]) -> list[str]:
+    """The names every rank found (``found``: each rank's {name: created}), newest first by
+    the first rank's creation times."""
+    common = set(found[0]).intersection(*found[1:])
+    return sorted(common, key=lambda n: (found[0][n], n), reverse=True)

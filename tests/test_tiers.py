@@ -240,3 +240,18 @@ def test_a_memory_manifest_damaged_at_rest_is_refused_by_its_checksum(tmp_path, 
         recovered = s.load(out, run, storage_options=opts, tiers=tiers)
         assert recovered.url == f"{run}/step-1" and _same(out, tiered_state(1))
         assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("durable", 0)
+
+
+def test_eviction_and_candidate_plans():
+    from ckptturbo.eviction import Held, plan_eviction
+    from ckptturbo.recovery import newest_first
+
+    shared, a, b, c = "s" * 64, "a" * 64, "b" * 64, "c" * 64
+    held = [Held("step-3", 3.0, {shared: 10, c: 5}), Held("step-1", 1.0, {shared: 10, a: 5}),
+            Held("step-2", 2.0, {shared: 10, b: 5})]
+    assert plan_eviction(held, 100) == []
+    assert plan_eviction(held, 20) == ["step-1"]  # a shared chunk counts once
+    assert plan_eviction(held, 0) == ["step-1", "step-2"]  # never the newest
+    assert plan_eviction(held, 0, keep=frozenset({"step-1"})) == ["step-2"]  # nor one in flight
+    ranks = [{"step-1": 1.0, "step-2": 2.0, "step-3": 3.0}, {"step-2": 2.0, "step-1": 1.0}]
+    assert newest_first(ranks) == ["step-2", "step-1"]
