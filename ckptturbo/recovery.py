@@ -110,14 +110,13 @@ class TieredReader(TurboReader):
             except (CheckpointNotFound, FormatError) as exc:
                 if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
                     log.warning("%s; reading the durable copy of %s instead", exc, self.url)
-                self._manifest = Location(self.url, self.storage_options, session=self._session).read_manifest()
+                durable = Location(self.url, self.storage_options, session=self._session)
+                self._manifest = durable.read_manifest()
                 self.manifest_tier = DURABLE
-            self._location = self._durable()
+            # the durable side of the checkpoint: where chunks memory lacks are read
+            self._location = Location.for_manifest(self.url, self.storage_options, self._manifest,
+                                                   session=self._session)
         return self._manifest
-
-    def _durable(self) -> Location:
-        """The checkpoint's durable location; its chunk store is the durable run's store."""
-        return Location(self.url, self.storage_options, session=self._session)
 
     @property
     def chunks(self) -> TieredChunkSource:
@@ -199,7 +198,8 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
                 return run, {name: 0.0}
     run = url.rstrip("/")
     found = {c.name: c.created for c in catalog.list_checkpoints(run, storage_options, session=session)}
-    found.update({c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)})
+    memory = catalog.list_checkpoints(tiers.memory_run(run), session=session)
+    found.update({c.name: c.created for c in memory})
     return run, found
 
 
