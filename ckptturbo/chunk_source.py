@@ -39,7 +39,7 @@ class ChunkSource:
         deleted at rest does not. A local file, or a chunk that is missing, has no transit
         to blame: its first error is the report."""
         view = memoryview(bytearray(self.manifest.chunks[cid])) if out is None else out
-        rereads = 0 if self.location.chunk_store.is_local else READS_OF_A_DAMAGED_OBJECT - 1
+        rereads = 0 if self.holder(cid).chunk_store.is_local else READS_OF_A_DAMAGED_OBJECT - 1
         for _ in range(rereads):
             try:
                 self._read_checked(cid, view)
@@ -50,6 +50,11 @@ class ChunkSource:
                 log.warning("%s; reading it again in case it was damaged in transit", exc)
         self._read_checked(cid, view)  # the last read's error is the report
         return view
+
+    def holder(self, cid: str) -> Location:
+        """Where chunk ``cid`` is read from: the checkpoint's chunk store (a tiered load
+        picks the nearest tier that holds it)."""
+        return self.location
 
     def fetch_into(self, cid: str, into: dict[str, torch.Tensor]) -> memoryview:
         """A verified chunk, read straight into its destination when that is host memory."""
@@ -67,12 +72,13 @@ class ChunkSource:
                 self.chunks_verified += 1
 
     def _read_checked(self, cid: str, view: memoryview) -> None:
+        location = self.holder(cid)
         try:
             if len(view):
-                self.location.chunk_store.get_into(self.location.chunk_path(cid), view)
+                location.chunk_store.get_into(location.chunk_path(cid), view)
         except (ShortReadError, CheckpointNotFound) as exc:
             problem = "missing" if isinstance(exc, CheckpointNotFound) else f"truncated ({exc})"
-            raise damaged_chunk(self.location, self.manifest, self.url, cid, problem) from exc
+            raise damaged_chunk(location, self.manifest, self.url, cid, problem) from exc
         with self._lock:
             self.bytes_from_storage += len(view)
         self.check(cid, view)

@@ -26,6 +26,7 @@ from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageErro
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
 from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
 from .store import Store
+from .tiers import Tiers
 
 log = logging.getLogger("ckptturbo.cli")
 
@@ -137,6 +138,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     An unreadable manifest is listed as such (and warned about) instead of hiding the rest.
     A URL that is no run fails (exit 2), so a script can tell a typo from an empty run; a
     checkpoint given for its run is listed alone, with a note."""
+    if args.tiers:
+        return _ls_tiers(args)
     found = list_checkpoints(args.run, args.storage_options, include_unreadable=True)
     kind = "run" if found else what_is_at(args.run, args.storage_options)
     if kind == "missing":
@@ -164,6 +167,36 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 [[c.name, "UNREADABLE", "-", "-", "-"] if c.error else
                  [c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes), c.items]
                  for c in found], right={2, 3, 4})
+    return EXIT_OK
+
+
+def _ls_tiers(args: argparse.Namespace) -> int:
+    """Every checkpoint of the run in this node's memory tier or the durable store, and
+    which of the two holds it (a checkpoint only in memory is not durable)."""
+    run = args.run.rstrip("/")
+    tiers = Tiers(memory=args.memory, node=args.node)
+    memory_run = tiers.memory_run(run)
+    held: dict[str, list[str]] = {}
+    infos: dict[str, CheckpointInfo] = {}
+    for tier, where, options in (("memory", memory_run, None), ("durable", run, args.storage_options)):
+        for c in list_checkpoints(where, options, include_unreadable=True):
+            held.setdefault(c.name, []).append(tier if not c.error else f"{tier}(UNREADABLE)")
+            if not c.error or c.name not in infos:
+                infos[c.name] = c
+    found = sorted(infos.values(), key=lambda c: (c.created, c.name))
+    if args.json:
+        print(json.dumps([{"name": c.name, "url": f"{run}/{c.name}", "created": c.created,
+                           "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
+                           "unique_bytes": c.unique_bytes, "items": c.items,
+                           "tiers": held[c.name]} for c in found], indent=2))
+        return EXIT_OK
+    if not found:
+        print(f"no committed checkpoints under {run} nor in its memory tier {memory_run}",
+              file=sys.stderr)
+        return EXIT_OK
+    print_table(["NAME", "CREATED", "SIZE", "STORED", "ITEMS", "TIERS"],
+                [[c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes),
+                  c.items, ",".join(held[c.name])] for c in found], right={2, 3, 4})
     return EXIT_OK
 
 
@@ -252,10 +285,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Chunks are shared between checkpoints, so space is freed by a run-wide sweep, not by rm."""
-    report = collect_garbage(args.run, args.storage_options, dry_run=args.dry_run,
-                             grace_seconds=args.grace)
+    run, options = args.run, args.storage_options
+    if args.tier == "memory":  # this node's memory tier of the run: a run of its own
+        run, options = Tiers(memory=args.memory, node=args.node).memory_run(args.run.rstrip("/")), None
+    report = collect_garbage(run, options, dry_run=args.dry_run, grace_seconds=args.grace)
     verb = "would delete" if report.dry_run else "deleted"
-    print(f"gc {args.run}: {report.referenced} chunks referenced by committed checkpoints; "
+    print(f"gc {run}: {report.referenced} chunks referenced by committed checkpoints; "
           f"{verb} {report.deleted} unreferenced chunks ({human(report.deleted_bytes)})")
     if report.kept_recent:
         print(f"kept {report.kept_recent} unreferenced chunks younger than the "
@@ -363,6 +398,13 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
     return parser
 
 
+def _memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", metavar="DIR", help="the memory tier's directory (default: "
+                   "$CKPTTURBO_MEMORY_DIR, else /dev/shm/ckptturbo)")
+    p.add_argument("--node", help="the node whose memory tier to use (default: $CKPTTURBO_NODE, "
+                   "else the host name)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptturbo", parents=[_common(False)],
                                      description="Inspect, verify, clean up and export ckptturbo checkpoints.")
@@ -378,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ls", cmd_ls, "list the committed checkpoints of a run")
     p.add_argument("run", help="the run URL (the parent of the checkpoints)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tiers", action="store_true",
+                   help="also list this node's memory tier of the run, and say which tiers hold each")
+    _memory_options(p)
 
     p = add("inspect", cmd_inspect, "show the tensors, objects and storage use of a checkpoint")
     p.add_argument("ckpt", help="the checkpoint URL")
@@ -391,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
     p.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
                    help="keep unreferenced chunks younger than this (default 0)")
+    p.add_argument("--tier", choices=["durable", "memory"], default="durable",
+                   help="collect the run's durable store (default) or this node's memory tier of it")
+    _memory_options(p)
 
     p = add("rm", cmd_rm, "delete a checkpoint (its manifest); gc frees its chunks")
     p.add_argument("ckpt", help="the checkpoint URL")

@@ -29,6 +29,12 @@ class CheckpointNotFound(CkptTurboError, FileNotFoundError):
     """No committed checkpoint (no manifest) exists at the URL."""
 
 
+class ChunksUnavailable(CheckpointNotFound):
+    """A checkpoint's manifest is held, but a chunk a rank needs is in no tier that rank
+    can read (another node's memory, without a durable copy): a tiered load then tries
+    the next older checkpoint."""
+
+
 class CheckpointExists(CkptTurboError, FileExistsError):
     """A save with ``overwrite=False`` found a committed checkpoint (a manifest) at the URL."""
 
@@ -84,6 +90,7 @@ __all__ = [
     "StorageError",
     "StorageAuthError",
     "CheckpointNotFound",
+    "ChunksUnavailable",
     "CheckpointExists",
     "IntegrityError",
     "FormatError",

@@ -10,8 +10,9 @@ state fits before any byte is read, and raise only ckptturbo's errors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import MismatchError, SaveInProgress
+from .errors import CkptTurboError, MismatchError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
 from .reader import TurboReader
 from .session import single_process
@@ -27,23 +28,55 @@ from .staging import SaveHandle, SaveSummary
 from .tree import unflatten
 
 if TYPE_CHECKING:
+    from .recovery import Recovered
     from .session import Session
+    from .tiers import Tiers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
          collective: bool = True, storage_options: dict[str, Any] | None = None,
-         planner: Any = None, wait_previous: bool = True, **writer_options: Any) -> SaveHandle:
+         planner: Any = None, wait_previous: bool = True, tiers: Tiers | None = None,
+         persist: bool = False, **writer_options: Any) -> SaveHandle:
     url = str(url)
+    if tiers is not None:
+        from .tiered_save import save as tiered_save
+
+        with ckptturbo_errors("saving", url):  # a URL without a run, a bad tier setting
+            return tiered_save(session, state_dict, url, tiers, persist=persist,
+                               process_group=process_group, collective=collective,
+                               storage_options=storage_options, planner=planner,
+                               wait_previous=wait_previous, writer_options=writer_options)
+    if persist:
+        raise CkptTurboError(f"saving {url}: persist=True needs tiers= (without tiers every "
+                             "save goes to the durable URL)")
+    return run_save(session, state_dict, url, url, SaveHandle(url), process_group=process_group,
+                    collective=collective, storage_options=storage_options, planner=planner,
+                    wait_previous=wait_previous, writer_options=writer_options)
+
+
+def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str,
+             handle: SaveHandle, *, process_group: Any, collective: bool,
+             storage_options: dict[str, Any] | None, planner: Any, wait_previous: bool,
+             writer_options: dict[str, Any],
+             after_commit: Callable[[Any, SaveSummary], None] | None = None) -> SaveHandle:
+    """Run DCP's save of ``state_dict`` to ``target`` on a thread the session tracks as a
+    save of ``url``. Without ``after_commit`` the commit resolves ``durable``; with it (a
+    tiered save, whose target is the memory tier) ``after_commit(group, summary)`` runs on
+    the same thread and resolves the handle's futures. A failure resolves every future
+    not yet resolved with the same ckptturbo error."""
     with ckptturbo_errors("saving", url):  # options the writer does not take
-        writer = session.writer(url, storage_options, writer_options, collective)
-    previous = session.saves_of(writer)
+        writer = session.writer(target, storage_options, writer_options, collective)
+    previous = [h for h in session.saves_of(writer) if not _gate(h).done()]
     if previous:
         if not wait_previous:
-            raise SaveInProgress(f"the previous save to {previous[-1].url} is not durable yet")
+            where = "in host memory" if hasattr(previous[-1], "local") else "durable"
+            raise SaveInProgress(f"the previous save to {previous[-1].url} is not {where} yet")
         with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            previous[-1].durable.exception()
+            _gate(previous[-1]).exception()
     group = session.gloo_group(process_group, "save") if collective and dist.is_initialized() else None
-    handle = SaveHandle(url)
     started = time.monotonic()
 
     def staged() -> None:
@@ -51,12 +84,15 @@ def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
             handle.staged.set_result(None)
 
     def run() -> None:
-        writer.reset(url)
+        writer.reset(target)
         writer.on_staged = staged
         try:
-            with single_process(group is None):
-                dcp.save(state_dict, storage_writer=writer, process_group=group,
-                         planner=planner, no_dist=group is None)
+            try:
+                with single_process(group is None):
+                    dcp.save(state_dict, storage_writer=writer, process_group=group,
+                             planner=planner, no_dist=group is None)
+            finally:  # before after_commit: once it resolves `local`, the next save sets its own
+                writer.on_staged = None
             stats = writer.last_stats
             summary = SaveSummary(
                 url=url, bytes_total=stats.bytes_written + stats.bytes_reused,
@@ -65,56 +101,92 @@ def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
                 chunks_reused=stats.chunks_reused,
                 seconds={"stage": stats.seconds_stage, "durable": time.monotonic() - started})
             staged()
-            handle.durable.set_result(summary)
+            if after_commit is None:
+                handle.durable.set_result(summary)
+            else:
+                after_commit(group, summary)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             error = as_ckptturbo_error(exc, url, "saving")
-            if not handle.staged.done():
-                handle.staged.set_exception(error)
-            handle.durable.set_exception(error)
-        finally:
-            writer.on_staged = None
+            for future in (handle.staged, getattr(handle, "local", None), handle.durable):
+                if future is not None and not future.done():
+                    future.set_exception(error)
 
     session.track(url, handle, writer, run)
     return handle
 
 
+def _gate(handle: SaveHandle) -> Any:
+    """The future a save's successor through the same writer waits for: its commit to the
+    writer's target (``durable``; for a tiered save ``local``, its persist runs behind)."""
+    return getattr(handle, "local", handle.durable)
+
+
 def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
          storage_options: dict[str, Any] | None = None, planner: Any = None, strict: bool = True,
-         **reader_options: Any) -> None:
+         tiers: Tiers | None = None, **reader_options: Any) -> Recovered | None:
     url = str(url)
-    reader = _reader(session, url, storage_options, process_group=process_group, **reader_options)
-    manifest = reader.read_manifest()
-    check_fits(state_dict, manifest.items, url, strict)
-    planner = planner or DefaultLoadPlanner(allow_partial_load=not strict)
-    with ckptturbo_errors("loading", url), single_process(not dist.is_initialized()):
-        dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                 planner=planner, no_dist=not dist.is_initialized())
+
+    def attempt(reader: TurboReader) -> None:
+        manifest = reader.read_manifest()
+        check_fits(state_dict, manifest.items, reader.url, strict)
+        with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
+                     planner=planner or DefaultLoadPlanner(allow_partial_load=not strict),
+                     no_dist=not dist.is_initialized())
+
+    if tiers is None:
+        attempt(_reader(session, url, storage_options, process_group=process_group, **reader_options))
+        return None
+    group = session.gloo_group(process_group, "tiers") if dist.is_initialized() else None
+    return _recover(session, url, tiers, storage_options, group, attempt, reader_options)[1]
 
 
 def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, Any] | None = None,
                     device: Any = "cpu", process_group: Any = None, grouped: bool = True,
                     allow_pickle: bool = False, templates: dict[str, Any] | None = None,
-                    **reader_options: Any) -> dict[str, Any]:
+                    tiers: Tiers | None = None, **reader_options: Any) -> dict[str, Any]:
     url = str(url)
     use_group = grouped and dist.is_available() and dist.is_initialized()
     group = process_group if use_group else None
-    reader = _reader(session, url, storage_options, process_group=group,
-                     allow_pickle=allow_pickle, **reader_options)
-    metadata = reader.read_metadata()
-    check_templates(templates or {}, metadata.state_dict_metadata, url)
-    flat: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if templates and key in templates:
-            flat[key] = templates[key]
-        elif isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        else:
-            flat[key] = None
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with ckptturbo_errors("loading", url), single_process(not use_group):
-        dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
-                 no_dist=not use_group)
-    return unflatten(flat, metadata.planner_data, url)
+
+    def attempt(reader: TurboReader) -> dict[str, Any]:
+        metadata = reader.read_metadata()
+        check_templates(templates or {}, metadata.state_dict_metadata, reader.url)
+        flat: dict[str, Any] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if templates and key in templates:
+                flat[key] = templates[key]
+            elif isinstance(md, TensorStorageMetadata):
+                flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            else:
+                flat[key] = None
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        with ckptturbo_errors("loading", reader.url), single_process(not use_group):
+            dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
+                     no_dist=not use_group)
+        return unflatten(flat, metadata.planner_data, reader.url)
+
+    if tiers is None:
+        return attempt(_reader(session, url, storage_options, process_group=group,
+                               allow_pickle=allow_pickle, **reader_options))
+    agree = session.gloo_group(group, "tiers") if use_group else None
+    return _recover(session, url, tiers, storage_options, agree, attempt,
+                    dict(reader_options, process_group=group, allow_pickle=allow_pickle))[0]
+
+
+def _recover(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
+             group: Any, attempt: Callable[[Any], T], reader_options: dict[str, Any]
+             ) -> tuple[T, Recovered]:
+    """A tiered load: the newest checkpoint the tiers can assemble (``recovery``)."""
+    from .recovery import recover
+
+    with ckptturbo_errors("loading", url):
+        result, recovered = recover(session, url, tiers, storage_options=storage_options,
+                                    group=group, attempt=attempt, reader_options=reader_options)
+    log.info("loaded %s (manifest from %s; %d bytes from memory, %d from the durable store)",
+             recovered.url, recovered.manifest_tier, recovered.bytes_from_memory,
+             recovered.bytes_from_durable)
+    return result, recovered
 
 
 def _reader(session: Session, url: str, storage_options: dict[str, Any] | None,

@@ -92,6 +92,7 @@ class Session:
         self._indexes: collections.OrderedDict[tuple, ChunkIndex] = collections.OrderedDict()
         self._beats: dict[str, Any] = {}
         self._flights: list[_Flight] = []
+        self._save_counts: collections.Counter[tuple] = collections.Counter()
         _open_sessions.add(self)
 
     # --- resources --------------------------------------------------------------------
@@ -147,6 +148,13 @@ class Session:
             else:
                 self._indexes.move_to_end(key)
             return index
+
+    def count_save(self, key: tuple) -> int:
+        """Count one more save of ``key`` (a tiered run) and return the count, from 1:
+        "persist every Nth save" is counted per session, the same on every rank."""
+        with self._lock:
+            self._save_counts[key] += 1
+            return self._save_counts[key]
 
     def keep_heartbeat(self, path: str, beat: Any) -> None:
         """Hold the heartbeat of a pending marker this session wrote, until it is taken back."""
@@ -238,11 +246,11 @@ class Session:
 
         return save(self, state_dict, url, **kwargs)
 
-    def load(self, state_dict: dict[str, Any], url: Any, **kwargs: Any) -> None:
+    def load(self, state_dict: dict[str, Any], url: Any, **kwargs: Any) -> Any:
         """``ct.load`` on this session; see :func:`ckptturbo.api.load`."""
         from .operations import load
 
-        load(self, state_dict, url, **kwargs)
+        return load(self, state_dict, url, **kwargs)
 
     def load_state_dict(self, url: Any, **kwargs: Any) -> dict[str, Any]:
         """``ct.load_state_dict`` on this session; see :func:`ckptturbo.api.load_state_dict`."""

@@ -1,0 +1,89 @@
+"""Keeping a node's memory tier within its byte budget: evict the oldest checkpoints.
+
+Host memory is small next to an object store, so the memory tier holds the newest few
+checkpoints of a run: after each commit to it, the oldest are evicted (their manifests
+first, so they cease to exist before any of their chunks go; then the chunks no remaining
+manifest names, by the run's ordinary gc, which respects saves in flight). The newest
+checkpoint is never evicted, whatever the budget: it is the one a crash recovers from.
+The choice is a pure function of what the tier holds; the deletes are separate.
+"""
+from __future__ import annotations
+
+import logging
+import posixpath
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+from .errors import CkptTurboError, FormatError
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One committed checkpoint of a memory-tier run: its name, age and chunks."""
+
+    name: str
+    created: float
+    chunks: dict[str, int]
+
+
+def held_bytes(checkpoints: Iterable[Held]) -> int:
+    """Bytes of the distinct chunks these checkpoints name (shared chunks count once)."""
+    sizes: dict[str, int] = {}
+    for c in checkpoints:
+        sizes.update(c.chunks)
+    return sum(sizes.values())
+
+
+def plan_eviction(checkpoints: list[Held], budget: int, keep: frozenset[str] = frozenset()) -> list[str]:
+    """The checkpoints to evict, oldest first, until what the others name fits ``budget``.
+
+    The newest checkpoint and those in ``keep`` (a persist in flight reads them) stay even
+    when the budget is then still exceeded: a tier over budget is better than one without
+    the checkpoint a crash would recover from.
+    """
+    order = sorted(checkpoints, key=lambda c: (c.created, c.name))
+    kept = list(order)
+    evicted = []
+    for candidate in order[:-1]:
+        if held_bytes(kept) <= budget:
+            break
+        if candidate.name in keep:
+            continue
+        kept.remove(candidate)
+        evicted.append(candidate.name)
+    return evicted
+
+
+def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
+          session: Session | None = None) -> list[str]:
+    """Bring a memory-tier run within ``budget`` bytes; returns the evicted names.
+
+    An unreadable manifest (a tier damaged at rest) is removed as well: the memory tier is
+    a cache, and a manifest that cannot be verified can never be loaded. A gc that finds a
+    save in flight frees nothing now; the next eviction frees it.
+    """
+    from . import catalog
+
+    held, bad = [], []
+    for url, manifest in catalog._committed(run_url, None, session):
+        name = posixpath.basename(url)
+        if isinstance(manifest, FormatError):
+            log.warning("memory tier: evicting unreadable checkpoint %s (%s)", url, manifest)
+            bad.append(name)
+        else:
+            held.append(Held(name, manifest.created, manifest.chunks))
+    doomed = bad + plan_eviction(held, budget, keep)
+    for name in doomed:
+        catalog.delete_checkpoint(f"{run_url}/{name}", session=session)
+    if doomed:
+        try:
+            catalog.collect_garbage(run_url, session=session)
+        except CkptTurboError as exc:  # a save in flight: freed at the next eviction
+            log.warning("memory tier %s: evicted %s, chunks not freed yet: %s", run_url, doomed, exc)
+        log.info("memory tier %s: evicted %s to stay within %d bytes", run_url, doomed, budget)
+    return doomed

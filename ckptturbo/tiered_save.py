@@ -1,0 +1,187 @@
+"""A tiered save: commit to the node's host memory first, persist every Nth to the durable URL.
+
+The save itself is the ordinary one (DCP with a TurboWriter), aimed at this node's
+memory-tier run instead of the durable URL, so staging, hashing, dedup, verification and
+the commit rule are unchanged and the stall is still the copy. What follows the commit
+runs on the save's thread, collectively, in the same order on every rank:
+
+1. the coordinator's manifest goes to every other node's memory tier (it is small, and a
+   node must be able to verify what it holds without asking another);
+2. each node evicts its oldest memory-tier checkpoints beyond the budget (before `local`,
+   so that no later save of this run is writing to the tier meanwhile); ``local`` resolves
+   and the next save may start;
+3. when this save is due to persist, behind the next saves, on a gloo group of its own and
+   after the run's earlier persists: each node uploads the chunks it holds that the durable
+   store lacks, then the coordinator commits the durable manifest; ``durable`` resolves
+   with the summary. A save that is not persisted resolves ``durable`` with None at once:
+   a checkpoint only in memory is never reported durable.
+
+Every collective step ends with all ranks agreeing on success, so a failure on one rank
+fails the save on all of them instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from . import eviction, persist
+from .agreement import agree, gather
+from .errors import CkptTurboError
+from .layout import MANIFEST_NAME, Location, Manifest
+from .session import pending_saves
+from .staging import SaveHandle, SaveSummary
+from .tiers import Tiers, split_checkpoint
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+class TieredSaveHandle(SaveHandle):
+    """The futures of a tiered save, one per tier: ``staged`` (copied; training may go on),
+    ``local`` (committed in this node's host memory; a SaveSummary), ``durable`` (the
+    SaveSummary of the persist, or None when this save was not persisted: ``persisted``
+    says which before it resolves). ``wait()`` waits for all of them."""
+
+    def __init__(self, url: str, persisted: bool) -> None:
+        super().__init__(url)
+        self.persisted = persisted
+        self.sequence = 0  # the save's number among the run's tiered saves in its session
+        self.local: Future[SaveSummary] = Future()
+        self.local.set_running_or_notify_cancel()
+
+    def __repr__(self) -> str:
+        state = ("durable" if self.durable.done() and self.persisted else
+                 "local" if self.local.done() else "staged" if self.staged.done() else "staging")
+        return f"TieredSaveHandle({self.url!r}, {state}, persisted={self.persisted})"
+
+
+class _Ranks:
+    """The save's ranks as the steps after the commit see them: who coordinates, which
+    node each rank is on."""
+
+    def __init__(self, group: Any, node: str) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.nodes = 0, [node]
+        else:
+            self.rank = dist.get_rank(group)
+            self.nodes = gather(group, node)
+        self.node = node
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def node_leader(self) -> bool:
+        """The lowest rank of this node: the one that writes for the node's memory tier."""
+        return self.nodes.index(self.node) == self.rank
+
+    def share(self, value: Any) -> Any:
+        """The coordinator's ``value``, on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+
+def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *,
+         persist: bool, process_group: Any, collective: bool,
+         storage_options: dict[str, Any] | None, planner: Any, wait_previous: bool,
+         writer_options: dict[str, Any]) -> TieredSaveHandle:
+    """``ct.save(..., tiers=...)``: see the module docstring."""
+    from .operations import run_save
+
+    run_url, name = split_checkpoint(url)
+    memory_url = tiers.memory_url(url)
+    count = session.count_save(("tiers", run_url))
+    handle = TieredSaveHandle(url, tiers.persists(count, persist))
+    handle.sequence = count
+    # persists run behind the next saves, so on a group of their own (made here, on the
+    # caller's thread, where every rank makes its groups in the same order)
+    persist_group = (session.gloo_group(process_group, "persist")
+                     if collective and dist.is_initialized() else None)
+    started = time.monotonic()
+
+    def after_commit(group: Any, committed: SaveSummary) -> None:
+        seconds = dict(committed.seconds, local=committed.seconds["durable"])
+        del seconds["durable"]
+        local = dataclasses.replace(committed, seconds=seconds)
+        ranks = _Ranks(group, tiers.node_name)
+        memory = Location(memory_url, session=session)
+        manifest_bytes = ranks.share(memory.store.get(memory.manifest_path) if ranks.coordinator else None)
+        agree(group, f"writing the manifest of {url} to every node's memory tier",
+              lambda: _commit_on_node(memory, manifest_bytes, ranks))
+        if ranks.node_leader:  # before `local`: no later save of this writer runs yet
+            in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
+            try:
+                eviction.evict(tiers.memory_run(run_url), tiers.budget(),
+                               keep=frozenset(in_flight | {name}), session=session)
+            except (CkptTurboError, OSError) as exc:  # the checkpoint stands, over budget
+                log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
+        if not handle.persisted:
+            handle.local.set_result(local)
+            handle.durable.set_result(None)
+            return
+        handle.local.set_result(local)  # the next save may start: this persist runs behind it
+        for older in _persists_before(session, run_url, handle):
+            with contextlib.suppress(Exception):  # its failure belongs to its own handle
+                older.durable.exception()
+        handle.durable.set_result(_persist(session, url, memory, manifest_bytes,
+                                           _Ranks(persist_group, tiers.node_name),
+                                           storage_options, local, started))
+
+    return run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
+                    collective=collective, storage_options=None, planner=planner,
+                    wait_previous=wait_previous, writer_options=writer_options,
+                    after_commit=after_commit)
+
+
+def _persists_before(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
+    """The persists of the run's earlier saves still running: one persist at a time, in
+    save order on every rank, because they share one group."""
+    return [h for h in session.saves_in_flight(run_url, under=True)
+            if isinstance(h, TieredSaveHandle) and h.persisted and h.sequence < handle.sequence]
+
+
+def _commit_on_node(memory: Location, data: bytes, ranks: _Ranks) -> None:
+    """A node leader writes the coordinator's manifest into its own memory tier (the
+    coordinator's node has it already) and removes the save's pending markers there: the
+    coordinator's commit removes those of its own node only, and a marker left behind
+    would keep the node's evictions from freeing chunks for one lease. Every rank's
+    ``dcp.save`` has returned, and the next save of this run waits for ``local``, so every
+    marker there is this save's."""
+    if not ranks.node_leader or ranks.nodes[0] == ranks.node:
+        return
+    memory.store.put(memory.manifest_path, data)
+    run = memory.run
+    run.store.delete([info.path for info in run.store.list_files(run.pending_dir)])
+
+
+def _persist(session: Session, url: str, memory: Location, manifest_bytes: bytes, ranks: _Ranks,
+             storage_options: dict[str, Any] | None, local: SaveSummary, started: float) -> SaveSummary:
+    """Copy the checkpoint from the nodes' memory tiers to the durable URL (collective)."""
+    manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
+    durable = Location(url, storage_options, session=session)
+    save_id = f"{manifest.storage_meta.get('save_id', 'tiered')}-persist"
+    leaders = [r for r, node in enumerate(ranks.nodes) if ranks.nodes.index(node) == r]
+    copied = agree(ranks.group, f"persisting {url}", lambda: persist.copy_chunks(
+        memory.run, durable.run, manifest, save_id, ranks.rank) if ranks.node_leader else None)
+    agree(ranks.group, f"committing {url}", lambda: persist.commit(durable, manifest, save_id, leaders)
+          if ranks.coordinator else None)
+    done = [c for c in copied if c is not None]
+    written = sum(c.bytes_written for c in done)
+    return SaveSummary(url=url, bytes_total=manifest.total_bytes, bytes_staged=local.bytes_staged,
+                       bytes_written=written, bytes_reused=manifest.unique_bytes - written,
+                       chunks_written=sum(c.chunks_written for c in done),
+                       chunks_reused=len(manifest.chunks) - sum(c.chunks_written for c in done),
+                       seconds={**local.seconds, "durable": time.monotonic() - started})

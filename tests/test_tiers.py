@@ -1,0 +1,257 @@
+"""Tiered checkpoints (docs/tiers.md): host memory first, the durable store every Nth save.
+
+Real processes, real files, SeaweedFS as the durable store. The memory tier lives under
+pytest's tmp_path here (the default, /dev/shm, behaves the same: it is only a directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptturbo as ct
+from ckptturbo.testing.fault_proxy import FaultProxy
+from ckptturbo.testing.launcher import run_command, run_distributed
+
+JOB = Path(__file__).parent / "jobs" / "tiered_kill.py"
+pytestmark = pytest.mark.timeout(300)
+
+
+def tiered_state(seed: int, n: int = 50_000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(100, generator=g), "step": seed}
+
+
+def _empty(n: int = 50_000) -> dict:
+    return {"w": torch.zeros(n), "b": torch.zeros(100), "step": -1}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["step"] == b["step"]
+
+
+def _memory_names(tiers: ct.Tiers, run: str) -> list[str]:
+    return [c.name for c in ct.list_checkpoints(tiers.memory_run(run))]
+
+
+def _durable_names(run: str, options: dict) -> list[str]:
+    return [c.name for c in ct.list_checkpoints(run, storage_options=options)]
+
+
+def test_memory_only_checkpoint_loads_bit_exact_and_is_not_durable(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    with ct.Session() as s:
+        handle = s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers)
+        assert handle.local.result().bytes_written > 0
+        assert handle.durable.result() is None and not handle.persisted
+        assert not s.exists(f"{run}/step-1", storage_options=opts)
+        out = _empty()
+        recovered = s.load(out, f"{run}/step-1", storage_options=opts, tiers=tiers)
+        assert _same(out, tiered_state(1))
+        assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("memory", 0)
+        loaded = s.load_state_dict(run, storage_options=opts, tiers=tiers)  # the run: newest
+        assert _same(loaded, tiered_state(1))
+
+
+def test_every_nth_save_is_persisted_and_only_those_are_durable(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=2, node="n0")
+    with ct.Session() as s:
+        handles = [s.save(tiered_state(i), f"{run}/step-{i}", storage_options=opts, tiers=tiers)
+                   for i in range(1, 6)]
+        handles.append(s.save(tiered_state(6), f"{run}/step-6", storage_options=opts,
+                              tiers=tiers, persist=False))
+        handles.append(s.save(tiered_state(6), f"{run}/step-7", storage_options=opts,
+                              tiers=tiers, persist=True))  # 7th: on demand; same bytes as step-6
+        results = [h.durable.result() for h in handles]
+        assert [h.persisted for h in handles] == [False, True, False, True, False, True, True]
+        assert [r is not None for r in results] == [h.persisted for h in handles]
+        assert _durable_names(run, opts) == ["step-2", "step-4", "step-6", "step-7"]
+        assert results[6].bytes_written == 0  # every chunk was in the durable store already
+        assert _memory_names(tiers, run) == [f"step-{i}" for i in range(1, 8)]
+        out = _empty()
+        s.load(out, f"{run}/step-4", storage_options=opts, tiers=tiers)
+        assert _same(out, tiered_state(4))
+
+
+def test_memory_tier_evicts_the_oldest_checkpoints_to_fit_its_budget(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    one = 50_000 * 4 + 100 * 4  # tensor bytes of one checkpoint (the pickled step adds a little)
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), memory_bytes=int(2.5 * one), persist_every=0,
+                     node="n0")
+    with ct.Session() as s:
+        for i in range(1, 6):
+            s.save(tiered_state(i), f"{run}/step-{i}", storage_options=opts, tiers=tiers).wait()
+        assert _memory_names(tiers, run) == ["step-4", "step-5"]
+        chunks = Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks"
+        assert sum(f.stat().st_size for f in chunks.rglob("*") if f.is_file()) <= tiers.budget()
+        tiny = ct.Tiers(memory=tiers.memory, memory_bytes=1, persist_every=0, node="n0")
+        s.save(tiered_state(6), f"{run}/step-6", storage_options=opts, tiers=tiny).wait()
+        assert _memory_names(tiny, run) == ["step-6"]  # the newest stays, whatever the budget
+        out = _empty()
+        s.load(out, run, storage_options=opts, tiers=tiny)
+        assert _same(out, tiered_state(6))
+
+
+def test_a_killed_process_recovers_from_memory_then_a_lost_node_from_the_durable_store(tmp_path, s3_server):
+    run, opts, memory = s3_server.url(), s3_server.storage_options, str(tmp_path / "mem")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    code, output = run_command([sys.executable, str(JOB), run, memory, json.dumps(opts)],
+                               timeout=120, env=env)
+    assert code == -9 and "local" in output, output
+    assert _durable_names(run, opts) == ["step-1"]  # step-2 never reached the durable store
+    tiers = ct.Tiers(memory=memory, node="n0")
+    with FaultProxy(s3_server.endpoint) as proxy, ct.Session() as s:
+        counted = proxy.storage_options(opts)
+        out = _empty()
+        recovered = s.load(out, run, storage_options=counted, tiers=tiers)
+        assert _same(out, tiered_state(2))
+        assert (recovered.url, recovered.manifest_tier) == (f"{run}/step-2", "memory")
+        assert recovered.bytes_from_durable == 0
+        assert proxy.stats().bytes_down < 20_000  # listings and step-1's manifest, no chunk
+
+        shutil.rmtree(memory)  # the node is lost: its host memory with it
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert _same(out, tiered_state(1))
+        assert (recovered.url, recovered.manifest_tier) == (f"{run}/step-1", "durable")
+        assert recovered.bytes_from_memory == 0 and recovered.bytes_from_durable > 0
+
+
+def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["CKPTTURBO_NODE"] = f"node{rank}"  # each rank a "node" with its own memory store
+    tiers = ct.Tiers(memory=memory, persist_every=2)
+    own = {i: {f"w{rank}": tiered_state(10 * i + rank)["w"]} for i in (1, 2, 3)}
+    with ct.Session() as s:
+        for i in (1, 2, 3):
+            s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts, tiers=tiers).wait()
+        assert _memory_names(tiers, run) == ["step-1", "step-2", "step-3"]  # manifests on every node
+        assert not list((Path(tiers.memory_run(run)) / ".ckptturbo" / "pending").glob("*"))
+        assert _durable_names(run, opts) == ["step-2"]
+
+        out = {f"w{rank}": torch.zeros(50_000)}
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
+        assert recovered.url == f"{run}/step-3" and recovered.bytes_from_durable == 0
+        assert torch.equal(out[f"w{rank}"], own[3][f"w{rank}"])
+
+        # "step" was written by one rank into its node's memory only: the other node cannot
+        # assemble step-3, so every rank falls back to step-2, which is durable
+        out = {"step": -1}
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
+        assert (recovered.url, out["step"]) == (f"{run}/step-2", 2)
+
+        dist.barrier()
+        if rank == 1:
+            shutil.rmtree(Path(tiers.memory_dir) / tiers.node_name)  # node 1 is lost
+        dist.barrier()
+        out = {f"w{rank}": torch.zeros(50_000)}
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
+        assert recovered.url == f"{run}/step-2"
+        assert torch.equal(out[f"w{rank}"], own[2][f"w{rank}"])
+        assert (recovered.bytes_from_durable > 0) == (rank == 1)
+
+
+def test_two_nodes_each_hold_their_own_chunks_and_every_manifest(tmp_path, s3_server):
+    run_distributed(_two_nodes, 2, s3_server.url(), s3_server.storage_options,
+                    str(tmp_path / "mem"), timeout=180)
+
+
+def test_tiers_cli_lists_which_tiers_hold_each_checkpoint_and_collects_per_tier(tmp_path, capsys):
+    from ckptturbo.cli import main
+
+    run, memory = str(tmp_path / "run"), str(tmp_path / "mem")
+    tiers = ct.Tiers(memory=memory, persist_every=2, node="n0")
+    with ct.Session() as s:
+        for i in (1, 2, 3):
+            s.save(tiered_state(i, 1000), f"{run}/step-{i}", tiers=tiers).wait()
+    capsys.readouterr()
+    assert main(["ls", run, "--tiers", "--memory", memory, "--node", "n0", "--json"]) == 0
+    listed = {c["name"]: c["tiers"] for c in json.loads(capsys.readouterr().out)}
+    assert listed == {"step-1": ["memory"], "step-2": ["memory", "durable"], "step-3": ["memory"]}
+    ct.delete(f"{tiers.memory_run(run)}/step-1")
+    assert main(["gc", run, "--tier", "memory", "--memory", memory, "--node", "n0"]) == 0
+    assert "deleted 1 unreferenced chunks" in capsys.readouterr().out
+    assert main(["gc", run]) == 0
+    assert "deleted 0 unreferenced chunks" in capsys.readouterr().out
+
+
+def test_a_persist_runs_behind_the_next_save(tmp_path, s3_server):
+    run = s3_server.url()
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    with FaultProxy(s3_server.endpoint, latency_s=0.3) as proxy, ct.Session() as s:
+        slow = proxy.storage_options(s3_server.storage_options)
+        first = s.save(tiered_state(1), f"{run}/step-1", storage_options=slow, tiers=tiers, persist=True)
+        first.local.result()
+        second = s.save(tiered_state(2), f"{run}/step-2", storage_options=slow, tiers=tiers)
+        second.local.result()  # committed to memory while the first persist still uploads
+        assert not first.durable.done()
+        assert first.wait() is not None and second.wait() is None
+        assert _durable_names(run, slow) == ["step-1"]
+
+
+def test_every_tier_is_a_chunk_store(tmp_path, s3_server):
+    from ckptturbo.chunk_store import ChunkStore
+    from ckptturbo.errors import IntegrityError
+    from ckptturbo.persist import copy_chunk
+    from ckptturbo.chunks import chunk_id
+    from ckptturbo.store import Store
+
+    memory = Store(str(tmp_path / "mem"))
+    durable = Store(s3_server.url(), s3_server.storage_options)
+    assert isinstance(memory, ChunkStore) and isinstance(durable, ChunkStore)
+    data = b"x" * 1000
+    cid = chunk_id(data)
+    memory.put(memory.join(memory.root, cid), data)
+    copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable, durable.join(durable.root, cid))
+    assert durable.get(durable.join(durable.root, cid), 10, 20) == data[10:20]
+    memory.put(memory.join(memory.root, cid), b"y" * 1000)  # damaged at rest: never copied on
+    with pytest.raises(IntegrityError, match="corrupt"):
+        copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable,
+                   durable.join(durable.root, "other"))
+    assert not durable.exists(durable.join(durable.root, "other"))
+
+
+def test_a_memory_manifest_damaged_at_rest_is_refused_by_its_checksum(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+
+    def damage(name: str) -> None:
+        path = Path(tiers.memory_url(f"{run}/{name}")) / "manifest.json"
+        path.write_bytes(path.read_bytes().replace(b'"step"', b'"stap"'))
+
+    with ct.Session() as s:
+        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers, persist=True).wait()
+        s.save(tiered_state(2), f"{run}/step-2", storage_options=opts, tiers=tiers).wait()
+        damage("step-2")  # only in memory: it cannot be verified, so it is not a candidate
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert recovered.url == f"{run}/step-1" and _same(out, tiered_state(1))
+        assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("memory", 0)
+        damage("step-1")  # also durable: the durable manifest, the chunks still from memory
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert recovered.url == f"{run}/step-1" and _same(out, tiered_state(1))
+        assert (recovered.manifest_tier, recovered.bytes_from_durable) == ("durable", 0)
+
+
+def test_eviction_and_candidate_plans():
+    from ckptturbo.eviction import Held, plan_eviction
+    from ckptturbo.recovery import newest_first
+
+    shared, a, b, c = "s" * 64, "a" * 64, "b" * 64, "c" * 64
+    held = [Held("step-3", 3.0, {shared: 10, c: 5}), Held("step-1", 1.0, {shared: 10, a: 5}),
+            Held("step-2", 2.0, {shared: 10, b: 5})]
+    assert plan_eviction(held, 100) == []
+    assert plan_eviction(held, 20) == ["step-1"]  # a shared chunk counts once
+    assert plan_eviction(held, 0) == ["step-1", "step-2"]  # never the newest
+    assert plan_eviction(held, 0, keep=frozenset({"step-1"})) == ["step-2"]  # nor one in flight
+    ranks = [{"step-1": 1.0, "step-2": 2.0, "step-3": 3.0}, {"step-2": 2.0, "step-1": 1.0}]
+    assert newest_first(ranks) == ["step-2", "step-1"]
