@@ -31,8 +31,7 @@ class ChunkIndex:
         with self._lock:
             if generation == self.generation:
                 return
-            listed = run.store.list_files(run.chunks_root)
-            self._known = {info.path.rsplit("/", 1)[-1] for info in listed}
+            self._known = run.chunk_ids()
             self.generation = generation
             self.listings += 1
             log.debug("listed %d chunks of %s at gc generation %s", len(self._known),

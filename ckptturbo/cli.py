@@ -155,10 +155,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"ckptturbo: {url} is a checkpoint, not a run; `ckptturbo ls "
               f"{url.rsplit('/', 1)[0]}` lists its run", file=sys.stderr)
     if args.json:
-        print(json.dumps([{"name": c.name, "url": c.url, "created": c.created,
-                           "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
-                           "unique_bytes": c.unique_bytes, "items": c.items, "error": c.error}
-                          for c in found], indent=2))
+        print(json.dumps([ls_record(c) for c in found], indent=2))
         return EXIT_OK
     if not found:
         print(f"no committed checkpoints under {args.run}", file=sys.stderr)
@@ -168,6 +165,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  [c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes), c.items]
                  for c in found], right={2, 3, 4})
     return EXIT_OK
+
+
+def ls_record(c: CheckpointInfo, **extra: Any) -> dict[str, Any]:
+    """One checkpoint as ``ls --json`` prints it (``extra`` adds or replaces fields)."""
+    return {"name": c.name, "url": c.url, "created": c.created, "created_iso": iso_time(c.created),
+            "total_bytes": c.total_bytes, "unique_bytes": c.unique_bytes, "items": c.items,
+            "error": c.error, **extra}
 
 
 def _ls_tiers(args: argparse.Namespace) -> int:
@@ -184,11 +188,11 @@ def _ls_tiers(args: argparse.Namespace) -> int:
             if not c.error or c.name not in infos:
                 infos[c.name] = c
     found = sorted(infos.values(), key=lambda c: (c.created, c.name))
+    if not found and what_is_at(run, args.storage_options) == "missing":
+        raise missing(run)  # a typo, not an empty run: as plain `ls` says
     if args.json:
-        print(json.dumps([{"name": c.name, "url": f"{run}/{c.name}", "created": c.created,
-                           "created_iso": iso_time(c.created), "total_bytes": c.total_bytes,
-                           "unique_bytes": c.unique_bytes, "items": c.items,
-                           "tiers": held[c.name]} for c in found], indent=2))
+        print(json.dumps([ls_record(c, url=f"{run}/{c.name}", tiers=held[c.name]) for c in found],
+                         indent=2))
         return EXIT_OK
     if not found:
         print(f"no committed checkpoints under {run} nor in its memory tier {memory_run}",

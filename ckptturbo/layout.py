@@ -359,6 +359,10 @@ class RunStore:
     def chunk_path(self, cid: str) -> str:
         return self.store.join(self.chunks_root, chunk_relpath(cid))
 
+    def chunk_ids(self) -> set[str]:
+        """The ids of the chunks the store holds (one listing)."""
+        return {info.path.rsplit("/", 1)[-1] for info in self.store.list_files(self.chunks_root)}
+
     def pending_path(self, save_id: str, rank: int) -> str:
         return self.store.join(self.pending_dir, f"{save_id}.{rank}")
 

@@ -36,16 +36,6 @@ class Copied:
     bytes_reused: int = 0
 
 
-def chunks_held(run: RunStore) -> set[str]:
-    """The ids of the chunks a run's store holds (one listing)."""
-    return chunk_ids(run.store, run.chunks_root)
-
-
-def chunk_ids(store: ChunkStore, chunks_root: str) -> set[str]:
-    """The ids of the chunks under ``chunks_root`` of any tier."""
-    return {info.path.rsplit("/", 1)[-1] for info in store.list_files(chunks_root)}
-
-
 def copy_chunk(cid: str, size: int, source: ChunkStore, source_path: str, target: ChunkStore,
                target_path: str) -> None:
     """Copy one chunk between tiers, checked against its name on the way: a copy damaged
@@ -65,7 +55,7 @@ def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, save_id
     try:
         index = index_for(durable)
         index.sync(durable, generation)
-        ours = sorted(chunks_held(memory) & manifest.chunks.keys())
+        ours = sorted(memory.chunk_ids() & manifest.chunks.keys())
         todo = [cid for cid in ours if cid not in index]
 
         def copy(cid: str) -> None:
@@ -89,7 +79,7 @@ def commit(location: Location, manifest: Manifest, save_id: str, ranks: list[int
     then remove the persist's pending markers."""
     run = location.run
     try:
-        present = chunks_held(run)
+        present = run.chunk_ids()
         missing = [cid for cid in manifest.chunks if cid not in present]
         if missing:
             raise StorageError(

@@ -25,7 +25,6 @@ from .agreement import agree
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
 from .layout import Location, Manifest
-from .persist import chunks_held
 from .reader import TurboReader
 from .session import wait_for_saves
 from .tiers import Tiers, split_checkpoint
@@ -59,7 +58,7 @@ class TieredChunkSource(ChunkSource):
         super().__init__(location, manifest, url, verify)
         self.memory = memory
         self.durable = durable
-        self.in_memory = chunks_held(memory.run) & manifest.chunks.keys() if memory is not None else set()
+        self.in_memory = memory.run.chunk_ids() & manifest.chunks.keys() if memory is not None else set()
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
 
@@ -73,7 +72,7 @@ class TieredChunkSource(ChunkSource):
         if not lacking:
             return
         if self._in_durable is None:
-            self._in_durable = chunks_held(self.durable.run)
+            self._in_durable = self.durable.run.chunk_ids()
         missing = [cid for cid in lacking if cid not in self._in_durable]
         if missing:
             raise ChunksUnavailable(

@@ -107,13 +107,7 @@ def classify(exc: BaseException) -> Failure:
     which s3fs raises for botocore's errors, and exceptions of the storage client
     packages), so a ``ValueError`` raised while handling a timeout is not a timeout.
     """
-    chain: list[BaseException] = []
-    seen: BaseException | None = exc
-    while seen is not None and len(chain) < 8:
-        chain.append(seen)
-        if not _wraps(seen):
-            break
-        seen = seen.__cause__ or seen.__context__
+    chain = _chain(exc)
     if any(isinstance(e, ssl.SSLCertVerificationError) for e in chain):
         return Failure.PERMANENT  # retrying cannot fix a certificate
     for link in chain:
@@ -138,20 +132,34 @@ def is_auth(exc: BaseException) -> bool:
 def is_past_the_end(exc: BaseException) -> bool:
     """A ranged read that starts past the object's end (S3's InvalidRange, HTTP 416): the
     object is shorter than the read expected, which is a short read, not a failed request."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return False
-        response = getattr(seen, "response", None)
-        if _package(seen) == "botocore" and isinstance(response, dict):
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            return (response.get("Error") or {}).get("Code") == "InvalidRange" or status == 416
-        if getattr(seen, "status", None) == 416 and _package(seen) == "aiohttp":
+    for link in _chain(exc):
+        answer = _store_answer(link)
+        if answer is not None:
+            return answer[0] == "InvalidRange" or answer[1] == 416
+        if _package(link) == "aiohttp" and getattr(link, "status", None) == 416:
             return True
-        if not _wraps(seen):
-            return False
-        seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes, followed only through exceptions that wrap another."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        if not _wraps(seen):
+            break
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def _store_answer(exc: BaseException) -> tuple[str, int | None] | None:
+    """The store's error code and HTTP status carried by botocore's ClientError, else None."""
+    response = getattr(exc, "response", None)
+    if _package(exc) != "botocore" or not isinstance(response, dict):
+        return None
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return str((response.get("Error") or {}).get("Code") or ""), status if isinstance(status, int) else None
 
 
 def _wraps(exc: BaseException) -> bool:
@@ -164,11 +172,9 @@ def _package(exc: BaseException) -> str:
 
 def _classify_one(exc: BaseException) -> Failure | None:
     """The verdict of one exception of a chain, or None when it does not say."""
-    response = getattr(exc, "response", None)
-    if _package(exc) == "botocore" and isinstance(response, dict):  # botocore's ClientError
-        error = response.get("Error") or {}
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        return _from_code(str(error.get("Code") or ""), status if isinstance(status, int) else None)
+    answer = _store_answer(exc)
+    if answer is not None:
+        return _from_code(*answer)
     if isinstance(exc, PermissionError):
         return Failure.AUTH
     if isinstance(exc, FileNotFoundError):

@@ -59,8 +59,7 @@ class Tiers:
 
     @property
     def node_name(self) -> str:
-        name = self.node or os.environ.get(NODE_ENV) or socket.gethostname()
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        return _path_name(self.node or os.environ.get(NODE_ENV) or socket.gethostname())
 
     def budget(self) -> int:
         """The memory tier's byte budget for one run on this node."""
@@ -86,13 +85,18 @@ class Tiers:
         from .session import url_key
 
         key = url_key(run_url)
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", posixpath.basename(key) or "run")
+        name = _path_name(posixpath.basename(key) or "run")
         return posixpath.join(self.memory_dir, self.node_name, f"{name}-{chunk_id(key.encode())[:16]}")
 
     def memory_url(self, checkpoint_url: str) -> str:
         """Where a durable checkpoint URL's copy lives in this node's memory tier."""
         run, name = split_checkpoint(checkpoint_url)
         return posixpath.join(self.memory_run(run), name)
+
+
+def _path_name(text: str) -> str:
+    """``text`` as one safe path component of the memory directory."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
 def split_checkpoint(url: str) -> tuple[str, str]:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
 from ckptturbo import catalog
+from ckptturbo.agreement import gather
 from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
 from ckptturbo.tree import flatten
 
@@ -176,11 +177,7 @@ def rank_and_world() -> tuple[int, int]:
 def all_ranks(value: Any) -> list[Any]:
     """Every rank's value on every rank, so that every rank saves the same tree."""
     _, world = rank_and_world()
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
+    return gather(dist.group.WORLD if world > 1 else None, value)
 
 
 def run_of(url: str) -> str:

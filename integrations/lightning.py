@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
+from ckptturbo.layout import OWN_STORE, RUN_STORE
 from ckptturbo.tree import SKELETON_KEY, flatten
 
 from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
@@ -33,7 +34,7 @@ from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
 log = logging.getLogger(__name__)
 
 # ``store=`` of the adapters, as the core's ``TurboWriter(store=...)`` names it
-STORES = {"checkpoint": ".", "run": ".."}
+STORES = {"checkpoint": OWN_STORE, "run": RUN_STORE}
 
 
 def _chunk_store(store: str) -> str:
@@ -44,7 +45,7 @@ def _chunk_store(store: str) -> str:
 
 def _shared(store: str) -> bool:
     """Whether checkpoints share a chunk store, freed by gc, rather than each holding its own."""
-    return _chunk_store(store) != STORES["checkpoint"]
+    return _chunk_store(store) != OWN_STORE
 
 
 class TurboCheckpointIO(TorchCheckpointIO):

@@ -123,6 +123,9 @@ def test_ls_of_a_missing_path_fails(tmp_path, capsys):
     one_line_error(*cli(capsys, "ls", str(tmp_path / "nosuch" / "run")), "does not exist")
     os.chdir(tmp_path)  # a bucket/prefix typed without its s3://
     one_line_error(*cli(capsys, "ls", "my-bucket/run"), "does not exist", "s3://my-bucket/run")
+    # with --tiers too, when neither tier holds anything
+    one_line_error(*cli(capsys, "ls", str(tmp_path / "nosuch" / "run"), "--tiers",
+                        "--memory", str(tmp_path / "mem")), "does not exist")
 
 
 def test_ls_of_an_empty_run_is_not_an_error(tmp_path, capsys):
