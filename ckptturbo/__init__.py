@@ -33,6 +33,7 @@ _PUBLIC = {
     "Tiers": ".tiers",
     "TieredSaveHandle": ".tiered_save",
     "Recovered": ".recovery",
+    "Replicated": ".peers",
     "safe_open": ".stream",
     "stream_safetensors": ".stream",
     "CkptTurboError": ".errors",

@@ -68,15 +68,18 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
     save in flight frees nothing now; the next eviction frees it.
     """
     from . import catalog
+    from .layout import RunStore
 
+    present = RunStore.for_run(run_url, session=session).chunk_ids()
     held, bad = [], []
     for url, manifest in catalog._committed(run_url, None, session):
         name = posixpath.basename(url)
         if isinstance(manifest, FormatError):
             log.warning("memory tier: evicting unreadable checkpoint %s (%s)", url, manifest)
             bad.append(name)
-        else:
-            held.append(Held(name, manifest.created, manifest.chunks))
+        else:  # what this node holds of it: its ranks' chunks and its peers' replicas
+            held.append(Held(name, manifest.created,
+                             {c: n for c, n in manifest.chunks.items() if c in present}))
     doomed = bad + plan_eviction(held, budget, keep)
     for name in doomed:
         catalog.delete_checkpoint(f"{run_url}/{name}", session=session)

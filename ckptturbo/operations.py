@@ -107,7 +107,8 @@ def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str
                 after_commit(group, summary)
         except BaseException as exc:  # noqa: BLE001 - delivered through the futures
             error = as_ckptturbo_error(exc, url, "saving")
-            for future in (handle.staged, getattr(handle, "local", None), handle.durable):
+            for future in (handle.staged, getattr(handle, "local", None),
+                           getattr(handle, "replicated", None), handle.durable):
                 if future is not None and not future.done():
                     future.set_exception(error)
 

@@ -7,8 +7,9 @@ announces itself with a pending marker before its first dedup decision, and the 
 after the commit. Each chunk read from memory is checked against its name before it is
 uploaded: a copy damaged at rest in host memory must never become the durable one.
 
-The work is split by node: each node uploads the chunks its own memory tier holds (one
-process per node does it), and the coordinator, after every node is done, checks that the
+The work is split by node: each chunk is uploaded by one of the nodes whose memory tier
+holds it (peer replicas make several; ``peers.spread`` picks one, balancing bytes), one
+process per node does the node's share, and the coordinator, after every node is done, checks that the
 durable store holds every chunk the manifest names before it writes the manifest.
 """
 from __future__ import annotations
@@ -47,15 +48,14 @@ def copy_chunk(cid: str, size: int, source: ChunkStore, source_path: str, target
     target.put(target_path, data)
 
 
-def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, save_id: str,
-                rank: int) -> Copied:
-    """Upload the chunks of ``manifest`` that this node's memory holds and the durable
-    store lacks. Announced by a pending marker (``rank``'s) that the commit removes."""
+def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, ours: list[str],
+                save_id: str, rank: int) -> Copied:
+    """Upload those of ``ours`` (this node's share of the manifest's chunks) that the
+    durable store lacks. Announced by a pending marker (``rank``'s) that the commit removes."""
     generation = catalog.begin_save(durable, save_id, rank)
     try:
         index = index_for(durable)
         index.sync(durable, generation)
-        ours = sorted(memory.chunk_ids() & manifest.chunks.keys())
         todo = [cid for cid in ours if cid not in index]
 
         def copy(cid: str) -> None:

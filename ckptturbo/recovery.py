@@ -3,13 +3,18 @@ nearest holder.
 
 A tiered load looks for checkpoints in this node's memory tier and in the durable store.
 A manifest in memory that was never persisted is as trustworthy as a durable one: it
-carries its own checksum and names its chunks by their hashes. Candidates are tried
-newest first; the ranks agree on the candidates (a checkpoint counts only when every
-rank finds its manifest in one of its tiers) and on each outcome, so they all load the
-same one. A rank reads each chunk from its own node's memory when it is there, else from
-the durable store; a checkpoint where some rank needs a chunk that neither holds (it was
-only in another node's memory, or evicted) is skipped for the next older one. When the
-memory tier is gone (the node was lost) only durable checkpoints are candidates.
+carries its own checksum and names its chunks by their hashes. Candidates are the
+checkpoints any rank finds, tried newest first; a rank that lacks a candidate's manifest
+(its node was lost and restarted) gets it from one that has it, checks its checksum and
+keeps it in its node's memory tier. The ranks agree on each outcome, so they all load the
+same checkpoint.
+
+Each rank reads a chunk from its own node's memory when it is there. Before any byte is
+read, the chunks the ranks of a node need and its memory lacks are copied into it from
+the other nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or
+chunks another node's ranks wrote); only what no node holds is read from the durable
+store. A checkpoint where some rank needs a chunk that no tier holds (evicted, and never
+persisted) is skipped for the next older one.
 """
 from __future__ import annotations
 
@@ -17,14 +22,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-import torch.distributed as dist
+import numpy as np
 
 from . import catalog
+from .agreement import agree, gather
 from .chunk_source import ChunkSource
-from .agreement import agree
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
-from .layout import Location, Manifest
+from .layout import MANIFEST_NAME, Location, Manifest
+from .peers import Nodes, exchange, holdings, plan_fetches
 from .reader import TurboReader
 from .session import wait_for_saves
 from .tiers import Tiers, split_checkpoint
@@ -41,12 +47,15 @@ MEMORY, DURABLE = "memory", "durable"
 @dataclass(frozen=True)
 class Recovered:
     """What a tiered load loaded: the checkpoint's durable URL, the tier its manifest came
-    from on this rank, and the chunk bytes this rank read from each tier."""
+    from on this rank, the chunk bytes this rank read from each tier, and the chunk bytes
+    this rank received from other nodes' memory tiers into its node's (a node leader
+    receives for its node; they are then read from memory)."""
 
     url: str
     manifest_tier: str
     bytes_from_memory: int
     bytes_from_durable: int
+    bytes_from_peers: int = 0
 
 
 class TieredChunkSource(ChunkSource):
@@ -61,9 +70,30 @@ class TieredChunkSource(ChunkSource):
         self.in_memory = memory.run.chunk_ids() & manifest.chunks.keys() if memory is not None else set()
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
+        self.bytes_from_peers = 0
 
     def holder(self, cid: str) -> Location:
         return self.memory if cid in self.in_memory and self.memory is not None else self.durable
+
+    def fill_from_peers(self, nodes: Nodes, cids: list[str]) -> None:
+        """Copy into this node's memory tier the chunks its ranks need (this rank's:
+        ``cids``) that it lacks and another node's memory holds (collective)."""
+        ids = list(self.manifest.chunks)
+        ordinal = {cid: i for i, cid in enumerate(ids)}
+        mine = np.array(sorted(ordinal[c] for c in cids if c not in self.in_memory), np.int32)
+        lacking: dict[str, set[str]] = {}
+        for rank, raw in enumerate(gather(nodes.group, mine.tobytes())):
+            lacking.setdefault(nodes.nodes[rank], set()).update(
+                ids[i] for i in np.frombuffer(raw, np.int32).tolist())
+        if not any(lacking.values()):
+            return
+        held = holdings(nodes, lambda: self.in_memory, ids)
+        copies = plan_fetches(self.manifest.chunks, lacking, held, nodes.leaders)
+        run = self.memory.run if self.memory is not None else None
+        self.bytes_from_peers += exchange(
+            nodes, copies, lambda cid: run.store.get(run.chunk_path(cid)),
+            lambda cid, data: run.store.put(run.chunk_path(cid), data), f"loading {self.url}")
+        self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
 
     def require(self, cids: list[str]) -> None:
         """Raise ChunksUnavailable unless each of ``cids`` is in one of this rank's tiers
@@ -90,14 +120,17 @@ class TieredChunkSource(ChunkSource):
 class TieredReader(TurboReader):
     """A TurboReader over one checkpoint in the tiers: the manifest from this node's memory
     tier when it is there (else the durable one), chunks from the nearest holder. Chunks
-    are not forwarded between ranks (the chain schedule knows nothing of holders), and a
-    rank checks before any byte is read that it can reach every chunk its items need."""
+    are not forwarded between ranks by the chain broadcast (its schedule knows nothing of
+    holders); with ``peers``, a node's missing chunks are first copied from other nodes'
+    memory, and then each rank checks before any byte is read that it can reach every chunk
+    its items need."""
 
     def __init__(self, memory_url: str, url: str, storage_options: dict[str, Any] | None = None,
-                 **options: Any) -> None:
+                 *, peers: Nodes | None = None, **options: Any) -> None:
         options["broadcast"] = False
         super().__init__(url, storage_options, **options)
         self.memory_url = memory_url
+        self.peers = peers
         self.manifest_tier: str | None = None
 
     def read_manifest(self) -> Manifest:
@@ -129,28 +162,55 @@ class TieredReader(TurboReader):
     def bytes_from_durable(self) -> int:
         return self._source.bytes_from_durable if self._source is not None else 0
 
+    @property
+    def bytes_from_peers(self) -> int:
+        return self._source.bytes_from_peers if self._source is not None else 0
+
+    def manifest_bytes(self) -> bytes:
+        """The stored bytes of the manifest this reader read (to hand to a rank that lacks it)."""
+        where = Location(self.memory_url if self.manifest_tier == MEMORY else self.url,
+                         None if self.manifest_tier == MEMORY else self.storage_options,
+                         session=self._session)
+        return where.store.get(where.manifest_path)
+
+    def adopt_manifest(self, data: bytes) -> None:
+        """Keep the manifest another rank read (checked against its own checksum) in this
+        node's memory tier and read it from there: the chunks a peer copies in for it must
+        be named by a manifest there, or the tier's next gc would free them."""
+        memory = Location(self.memory_url, session=self._session)
+        Manifest.from_bytes(data, f"{memory.url}/{MANIFEST_NAME}")
+        memory.store.put(memory.manifest_path, data)
+        self._manifest = None
+        self.read_manifest()
+
     def prepare_local_plan(self, plan: Any) -> Any:
-        self.chunks.require(self._chunks_of(plan.items))
+        needs = self._chunks_of(plan.items)
+        if self.peers is not None:
+            self.chunks.fill_from_peers(self.peers, needs)
+        self.chunks.require(needs)
         return super().prepare_local_plan(plan)
 
 
 def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[str, Any] | None,
             group: Any, attempt: Callable[[TieredReader], T], reader_options: dict[str, Any]
             ) -> tuple[T, Recovered]:
-    """Run ``attempt`` (a load through a reader) on the newest checkpoint every rank of
+    """Run ``attempt`` (a load through a reader) on the newest checkpoint the ranks of
     ``group`` can assemble. ``url`` is a checkpoint (only it is tried) or a run (its
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
     both tiers when none can be assembled."""
     wait_for_saves(url, under=True)
     found = agree(group, f"listing the tiers of {url}",
                   lambda: _candidates(session, url, tiers, storage_options))
-    run, candidates = found[0 if group is None else dist.get_rank(group)]
-    for name in newest_first([names for _, names in found]):
+    run, names = _agreed_candidates(found)
+    nodes = Nodes(group, tiers.node_name)
+    for name in names:
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
-                              session=session, **reader_options)
+                              peers=nodes, session=session, **reader_options)
         problems = agree(group, f"reading the manifest of {checkpoint}",
                          lambda: _manifest_problem(reader))
+        if any(problems):
+            problems = _share_manifest(reader, problems, nodes, checkpoint)
         if any(problems):
             log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
             continue
@@ -164,10 +224,32 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
             continue
         return result, Recovered(checkpoint, reader.manifest_tier or DURABLE,
                                  reader.bytes_from_storage - reader.bytes_from_durable,
-                                 reader.bytes_from_durable)
+                                 reader.bytes_from_durable, reader.bytes_from_peers)
     raise CheckpointNotFound(
-        f"no checkpoint of {run} can be assembled from the memory tier {tiers.memory_run(run)} "
-        f"(node {tiers.node_name}) or the durable store ({len(candidates)} found on this rank)")
+        f"no checkpoint of {run} can be assembled from the memory tiers {tiers.memory_run(run)} "
+        f"of the nodes {', '.join(nodes.order)} or the durable store "
+        f"({len(found[nodes.rank][1])} found on this rank)")
+
+
+def _agreed_candidates(found: list[tuple[str, dict[str, float], bool]]) -> tuple[str, list[str]]:
+    """(run, names newest first) from every rank's ``_candidates``: the checkpoint when a
+    rank found one at the URL itself, else every checkpoint some rank found."""
+    for run, names, at_url in found:
+        if at_url:
+            return run, list(names)
+    return found[0][0], newest_first([names for _, names, _ in found])
+
+
+def _share_manifest(reader: TieredReader, problems: list[str | None], nodes: Nodes,
+                    checkpoint: str) -> list[str | None]:
+    """Ranks that could not read the manifest get it from the first rank that could (every
+    rank takes part); returns every rank's problem after adopting it."""
+    source = next((r for r, p in enumerate(problems) if p is None), None)
+    if source is None:
+        return problems
+    data = nodes.share(reader.manifest_bytes() if nodes.rank == source else None, source)
+    return agree(nodes.group, f"adopting the manifest of {checkpoint}",
+                 lambda: None if problems[nodes.rank] is None else reader.adopt_manifest(data))
 
 
 def _manifest_problem(reader: TieredReader) -> str | None:
@@ -179,10 +261,10 @@ def _manifest_problem(reader: TieredReader) -> str | None:
 
 
 def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None
-                ) -> tuple[str, dict[str, float]]:
-    """(run, {name: created}) of what this rank can find: ``url`` alone when a tier holds a
-    manifest there (readable or not: the load decides), else every checkpoint of the run
-    ``url`` in either tier."""
+                ) -> tuple[str, dict[str, float], bool]:
+    """(run, {name: created}, found at the URL) of what this rank can find: ``url`` alone
+    when a tier holds a manifest there (readable or not: the load decides), else every
+    checkpoint of the run ``url`` in either tier."""
     try:
         run, name = split_checkpoint(url)
         locations = [Location(tiers.memory_url(url), session=session),
@@ -192,18 +274,21 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
     for location in locations:
         if location.store.exists(location.manifest_path):
             try:
-                return run, {name: location.read_manifest().created}
+                return run, {name: location.read_manifest().created}, True
             except FormatError:
-                return run, {name: 0.0}
+                return run, {name: 0.0}, True
     run = url.rstrip("/")
     found = {c.name: c.created for c in catalog.list_checkpoints(run, storage_options, session=session)}
     memory = catalog.list_checkpoints(tiers.memory_run(run), session=session)
     found.update({c.name: c.created for c in memory})
-    return run, found
+    return run, found, False
 
 
 def newest_first(found: list[dict[str, float]]) -> list[str]:
-    """The names every rank found (``found``: each rank's {name: created}), newest first by
-    the first rank's creation times."""
-    common = set(found[0]).intersection(*found[1:])
-    return sorted(common, key=lambda n: (found[0][n], n), reverse=True)
+    """The names any rank found (``found``: each rank's {name: created}), newest first by
+    the latest creation time a rank saw."""
+    created: dict[str, float] = {}
+    for names in found:
+        for name, when in names.items():
+            created[name] = max(when, created.get(name, when))
+    return sorted(created, key=lambda n: (created[n], n), reverse=True)

@@ -10,11 +10,15 @@ runs on the save's thread, collectively, in the same order on every rank:
 2. each node evicts its oldest memory-tier checkpoints beyond the budget (before `local`,
    so that no later save of this run is writing to the tier meanwhile); ``local`` resolves
    and the next save may start;
-3. when this save is due to persist, behind the next saves, on a gloo group of its own and
-   after the run's earlier persists: each node uploads the chunks it holds that the durable
-   store lacks, then the coordinator commits the durable manifest; ``durable`` resolves
-   with the summary. A save that is not persisted resolves ``durable`` with None at once:
-   a checkpoint only in memory is never reported durable.
+3. behind the next saves, on a gloo group of its own and after the run's earlier
+   replications: each node's chunks are copied into ``Tiers.replicas`` other nodes' memory
+   tiers (``peers``); ``replicated`` resolves. A failed replication fails only that future:
+   the checkpoint stands in memory;
+4. when this save is due to persist, on another group and after the run's earlier
+   persists: each chunk is uploaded by one node that holds it, if the durable store lacks
+   it, then the coordinator commits the durable manifest; ``durable`` resolves with the
+   summary. A save that is not persisted resolves ``durable`` with None at once: a
+   checkpoint only in memory is never reported durable.
 
 Every collective step ends with all ranks agreeing on success, so a failure on one rank
 fails the save on all of them instead of leaving the others waiting.
@@ -30,10 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import eviction, persist
-from .agreement import agree, gather
+from . import eviction, peers, persist
+from .agreement import agree
 from .errors import CkptTurboError
+from .failures import as_ckptturbo_error
 from .layout import MANIFEST_NAME, Location, Manifest
+from .peers import Nodes, Replicated
 from .session import pending_saves
 from .staging import SaveHandle, SaveSummary
 from .tiers import Tiers, split_checkpoint
@@ -46,9 +52,11 @@ log = logging.getLogger(__name__)
 
 class TieredSaveHandle(SaveHandle):
     """The futures of a tiered save, one per tier: ``staged`` (copied; training may go on),
-    ``local`` (committed in this node's host memory; a SaveSummary), ``durable`` (the
+    ``local`` (committed in this node's host memory; a SaveSummary), ``replicated`` (each
+    node's chunks copied into other nodes' memory; a Replicated), ``durable`` (the
     SaveSummary of the persist, or None when this save was not persisted: ``persisted``
-    says which before it resolves). ``wait()`` waits for all of them."""
+    says which before it resolves). ``wait()`` waits for all of them and returns
+    ``durable``'s result."""
 
     def __init__(self, url: str, persisted: bool) -> None:
         super().__init__(url)
@@ -56,42 +64,24 @@ class TieredSaveHandle(SaveHandle):
         self.sequence = 0  # the save's number among the run's tiered saves in its session
         self.local: Future[SaveSummary] = Future()
         self.local.set_running_or_notify_cancel()
+        self.replicated: Future[Replicated] = Future()
+        self.replicated.set_running_or_notify_cancel()
+
+    def wait(self, timeout: float | None = None) -> SaveSummary | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with contextlib.suppress(Exception):  # a failed replication does not fail the save
+            self.replicated.exception(timeout)
+        return self.durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    result = wait
+
+    def done(self) -> bool:
+        return self.replicated.done() and self.durable.done()
 
     def __repr__(self) -> str:
         state = ("durable" if self.durable.done() and self.persisted else
                  "local" if self.local.done() else "staged" if self.staged.done() else "staging")
         return f"TieredSaveHandle({self.url!r}, {state}, persisted={self.persisted})"
-
-
-class _Ranks:
-    """The save's ranks as the steps after the commit see them: who coordinates, which
-    node each rank is on."""
-
-    def __init__(self, group: Any, node: str) -> None:
-        self.group = group
-        if group is None:
-            self.rank, self.nodes = 0, [node]
-        else:
-            self.rank = dist.get_rank(group)
-            self.nodes = gather(group, node)
-        self.node = node
-
-    @property
-    def coordinator(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def node_leader(self) -> bool:
-        """The lowest rank of this node: the one that writes for the node's memory tier."""
-        return self.nodes.index(self.node) == self.rank
-
-    def share(self, value: Any) -> Any:
-        """The coordinator's ``value``, on every rank."""
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return box[0]
 
 
 def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *,
@@ -108,15 +98,16 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     handle.sequence = count
     # persists run behind the next saves, so on a group of their own (made here, on the
     # caller's thread, where every rank makes its groups in the same order)
-    persist_group = (session.gloo_group(process_group, "persist")
-                     if collective and dist.is_initialized() else None)
+    persist_group, replicate_group = ((session.gloo_group(process_group, "persist"),
+                                       session.gloo_group(process_group, "replicate"))
+                                      if collective and dist.is_initialized() else (None, None))
     started = time.monotonic()
 
     def after_commit(group: Any, committed: SaveSummary) -> None:
         seconds = dict(committed.seconds, local=committed.seconds["durable"])
         del seconds["durable"]
         local = dataclasses.replace(committed, seconds=seconds)
-        ranks = _Ranks(group, tiers.node_name)
+        ranks = Nodes(group, tiers.node_name)
         memory = Location(memory_url, session=session)
         manifest_bytes = ranks.share(memory.store.get(memory.manifest_path) if ranks.coordinator else None)
         agree(group, f"writing the manifest of {url} to every node's memory tier",
@@ -128,17 +119,21 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
                                keep=frozenset(in_flight | {name}), session=session)
             except (CkptTurboError, OSError) as exc:  # the checkpoint stands, over budget
                 log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
+        handle.local.set_result(local)  # the next save may start: what follows runs behind it
         if not handle.persisted:
-            handle.local.set_result(local)
             handle.durable.set_result(None)
-            return
-        handle.local.set_result(local)  # the next save may start: this persist runs behind it
-        for older in _persists_before(session, run_url, handle):
-            with contextlib.suppress(Exception):  # its failure belongs to its own handle
-                older.durable.exception()
-        handle.durable.set_result(_persist(session, url, memory, manifest_bytes,
-                                           _Ranks(persist_group, tiers.node_name),
-                                           storage_options, local, started))
+        manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
+        _after(session, run_url, handle, "replicated")
+        try:
+            handle.replicated.set_result(_replicate(url, memory, manifest, tiers.replicas,
+                                                    Nodes(replicate_group, tiers.node_name)))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint stands in its node's memory
+            handle.replicated.set_exception(as_ckptturbo_error(exc, url, "replicating"))
+        if handle.persisted:
+            _after(session, run_url, handle, "durable")
+            handle.durable.set_result(_persist(session, url, memory, manifest,
+                                               Nodes(persist_group, tiers.node_name),
+                                               storage_options, local, started))
 
     return run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
                     collective=collective, storage_options=None, planner=planner,
@@ -146,14 +141,31 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
                     after_commit=after_commit)
 
 
-def _persists_before(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
-    """The persists of the run's earlier saves still running: one persist at a time, in
-    save order on every rank, because they share one group."""
-    return [h for h in session.saves_in_flight(run_url, under=True)
-            if isinstance(h, TieredSaveHandle) and h.persisted and h.sequence < handle.sequence]
+def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) -> None:
+    """Wait until the run's earlier saves have done ``step`` ("replicated", or "durable"
+    for those persisted): one replication and one persist at a time, in save order on
+    every rank, because each kind shares one group."""
+    for older in session.saves_in_flight(run_url, under=True):
+        if (isinstance(older, TieredSaveHandle) and older.sequence < handle.sequence
+                and (step != "durable" or older.persisted)):
+            with contextlib.suppress(Exception):  # its failure belongs to its own handle
+                getattr(older, step).exception()
 
 
-def _commit_on_node(memory: Location, data: bytes, ranks: _Ranks) -> None:
+def _replicate(url: str, memory: Location, manifest: Manifest, k: int, nodes: Nodes) -> Replicated:
+    """Copy each node's chunks of the checkpoint into ``k`` other nodes' memory tiers
+    (collective; see ``peers``)."""
+    run = memory.run
+    held = peers.holdings(nodes, run.chunk_ids, list(manifest.chunks))
+    copies = peers.plan_replicas(manifest.chunks, held, nodes.order, nodes.leaders, k) if k else []
+    peers.exchange(nodes, copies, lambda cid: run.store.get(run.chunk_path(cid)),
+                   lambda cid, data: run.store.put(run.chunk_path(cid), data),
+                   f"replicating {url}")
+    return Replicated(copies=min(1 + k, len(nodes.order)), chunks_sent=len(copies),
+                      bytes_sent=sum(c.nbytes for c in copies))
+
+
+def _commit_on_node(memory: Location, data: bytes, ranks: Nodes) -> None:
     """A node leader writes the coordinator's manifest into its own memory tier (the
     coordinator's node has it already) and removes the save's pending markers there: the
     coordinator's commit removes those of its own node only, and a marker left behind
@@ -167,17 +179,18 @@ def _commit_on_node(memory: Location, data: bytes, ranks: _Ranks) -> None:
     run.store.delete([info.path for info in run.store.list_files(run.pending_dir)])
 
 
-def _persist(session: Session, url: str, memory: Location, manifest_bytes: bytes, ranks: _Ranks,
+def _persist(session: Session, url: str, memory: Location, manifest: Manifest, ranks: Nodes,
              storage_options: dict[str, Any] | None, local: SaveSummary, started: float) -> SaveSummary:
     """Copy the checkpoint from the nodes' memory tiers to the durable URL (collective)."""
-    manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
     durable = Location(url, storage_options, session=session)
     save_id = f"{manifest.storage_meta.get('save_id', 'tiered')}-persist"
-    leaders = [r for r, node in enumerate(ranks.nodes) if ranks.nodes.index(node) == r]
+    share = peers.spread(manifest.chunks, peers.holdings(ranks, memory.run.chunk_ids,
+                                                         list(manifest.chunks)))
     copied = agree(ranks.group, f"persisting {url}", lambda: persist.copy_chunks(
-        memory.run, durable.run, manifest, save_id, ranks.rank) if ranks.node_leader else None)
-    agree(ranks.group, f"committing {url}", lambda: persist.commit(durable, manifest, save_id, leaders)
-          if ranks.coordinator else None)
+        memory.run, durable.run, manifest, share[ranks.node], save_id, ranks.rank)
+        if ranks.node_leader else None)
+    agree(ranks.group, f"committing {url}", lambda: persist.commit(
+        durable, manifest, save_id, list(ranks.leaders.values())) if ranks.coordinator else None)
     done = [c for c in copied if c is not None]
     written = sum(c.bytes_written for c in done)
     return SaveSummary(url=url, bytes_total=manifest.total_bytes, bytes_staged=local.bytes_staged,

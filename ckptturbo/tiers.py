@@ -1,7 +1,8 @@
 """Tiers: where a tiered checkpoint lives besides its durable URL, and how often it goes there.
 
 A tiered save commits each checkpoint to the node's host memory first (a directory on a
-memory file system, /dev/shm by default) and persists every Nth one to the durable URL.
+memory file system, /dev/shm by default), copies each node's chunks to ``replicas`` other
+nodes' memory, and persists every Nth one to the durable URL.
 The memory tier holds the same layout as any run (content-addressed chunks, one manifest
 per checkpoint), so everything that reads or checks a run works on it unchanged. This
 module is only the options and the names: which directory, which node, which budget.
@@ -40,14 +41,20 @@ class Tiers:
         node: this node's name (``$CKPTTURBO_NODE``, else the host name). Ranks with the
             same name share one memory store; a restarted node must keep its name to find
             its checkpoints again.
+        replicas: after each commit to memory, copy each node's chunks into this many
+            other nodes' memory tiers (fewer when the job has fewer other nodes), so that
+            losing a node costs no read from the durable store. 0: no copies.
     """
 
     memory: str | None = None
     memory_bytes: int | None = None
     persist_every: int = 1
     node: str | None = None
+    replicas: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+            raise CkptTurboError(f"Tiers.replicas must be an integer >= 0, got {self.replicas!r}")
         if not isinstance(self.persist_every, int) or self.persist_every < 0:
             raise CkptTurboError(f"Tiers.persist_every must be an integer >= 0, got {self.persist_every!r}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:

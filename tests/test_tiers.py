@@ -128,11 +128,13 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
     import torch.distributed as dist
 
     os.environ["CKPTTURBO_NODE"] = f"node{rank}"  # each rank a "node" with its own memory store
-    tiers = ct.Tiers(memory=memory, persist_every=2)
+    tiers = ct.Tiers(memory=memory, persist_every=2, replicas=0)
     own = {i: {f"w{rank}": tiered_state(10 * i + rank)["w"]} for i in (1, 2, 3)}
     with ct.Session() as s:
         for i in (1, 2, 3):
-            s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts, tiers=tiers).wait()
+            handle = s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts, tiers=tiers)
+            handle.wait()
+            assert handle.replicated.result() == ct.Replicated(copies=1, chunks_sent=0, bytes_sent=0)
         assert _memory_names(tiers, run) == ["step-1", "step-2", "step-3"]  # manifests on every node
         assert not list((Path(tiers.memory_run(run)) / ".ckptturbo" / "pending").glob("*"))
         assert _durable_names(run, opts) == ["step-2"]
@@ -140,21 +142,25 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
         out = {f"w{rank}": torch.zeros(50_000)}
         recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
         assert recovered.url == f"{run}/step-3" and recovered.bytes_from_durable == 0
+        assert recovered.bytes_from_peers == 0  # each rank's chunks are in its node's memory
         assert torch.equal(out[f"w{rank}"], own[3][f"w{rank}"])
 
-        # "step" was written by one rank into its node's memory only: the other node cannot
-        # assemble step-3, so every rank falls back to step-2, which is durable
-        out = {"step": -1}
+        # w0 was written by rank 0 into node 0's memory only: node 1 gets it from there
+        out = {"w0": torch.zeros(50_000)}
         recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
-        assert (recovered.url, out["step"]) == (f"{run}/step-2", 2)
+        assert (recovered.url, recovered.bytes_from_durable) == (f"{run}/step-3", 0)
+        assert (recovered.bytes_from_peers > 0) == (rank == 1)
+        assert torch.equal(out["w0"], tiered_state(30)["w"])
 
         dist.barrier()
         if rank == 1:
             shutil.rmtree(Path(tiers.memory_dir) / tiers.node_name)  # node 1 is lost
         dist.barrier()
+        # without replicas, node 1's shard of step-3 is gone with it: every rank falls back
+        # to step-2, the durable one; node 0 still reads its own chunks from memory
         out = {f"w{rank}": torch.zeros(50_000)}
         recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
-        assert recovered.url == f"{run}/step-2"
+        assert recovered.url == f"{run}/step-2", (rank, recovered)
         assert torch.equal(out[f"w{rank}"], own[2][f"w{rank}"])
         assert (recovered.bytes_from_durable > 0) == (rank == 1)
 
@@ -162,6 +168,93 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
 def test_two_nodes_each_hold_their_own_chunks_and_every_manifest(tmp_path, s3_server):
     run_distributed(_two_nodes, 2, s3_server.url(), s3_server.storage_options,
                     str(tmp_path / "mem"), timeout=180)
+
+
+def _node_of(rank: int) -> str:
+    return f"node{rank // 2}"  # two ranks per "node", each node with its own memory store
+
+
+def _sharded(rank: int, step: int) -> dict:
+    """Each rank's own shard plus a replicated tensor (balanced over the ranks on save)."""
+    return {f"w{rank}": tiered_state(100 * step + rank, 40_000)["w"],
+            "shared": tiered_state(step, 60_000)["w"], "step": step}
+
+
+def _save_on_nodes(rank: int, world: int, run: str, opts: dict, memory: str, steps: int) -> list:
+    os.environ["CKPTTURBO_NODE"] = _node_of(rank)
+    tiers = ct.Tiers(memory=memory, persist_every=2)  # replicas=1
+    done = []
+    with ct.Session() as s:
+        for step in range(1, steps + 1):
+            handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+            handle.staged.result()
+            handle.wait()
+            done.append((handle.persisted, handle.replicated.result()))
+    held = sum(f.stat().st_size for f in (Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks").rglob("*")
+               if f.is_file())
+    return [done, held]
+
+
+def _recover_on_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> tuple:
+    os.environ["CKPTTURBO_NODE"] = _node_of(rank)
+    tiers = ct.Tiers(memory=memory, persist_every=2)
+    out = {f"w{rank}": torch.zeros(40_000), "shared": torch.zeros(60_000), "step": -1}
+    with ct.Session() as s:
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers, strict=False)
+    return recovered, torch.equal(out[f"w{rank}"], _sharded(rank, out["step"])[f"w{rank}"]) and \
+        torch.equal(out["shared"], _sharded(rank, out["step"])["shared"])
+
+
+def test_a_lost_node_recovers_from_its_peers_replicas_without_reading_the_durable_store(tmp_path, s3_server):
+    """Two nodes of two ranks: each save copies each node's chunks into the other node's
+    memory; a node lost and restarted gets them back from there, 0 bytes from the store;
+    with every node lost, the newest durable checkpoint loads."""
+    run, opts, memory = s3_server.url(), s3_server.storage_options, str(tmp_path / "mem")
+    saved = run_distributed(_save_on_nodes, 4, run, opts, memory, 3, timeout=240)
+    for done, _ in saved:
+        assert [p for p, _ in done] == [False, True, False]
+        assert all(r.copies == 2 and r.chunks_sent > 0 for _, r in done)  # 1 + 1 replica each
+    shard_bytes = 40_000 * 4  # each rank's own shard per step; "shared" is spread over the ranks
+    per_node_unique = 3 * (2 * shard_bytes + 60_000 * 4 // 2)
+    held = [h for _, h in saved]
+    assert held[0] == held[1] and held[2] == held[3]  # ranks of a node share its tier
+    assert all(per_node_unique * 1.5 < h <= 2 * per_node_unique * 1.1 for h in held)  # <= (1 + k) x
+
+    shutil.rmtree(Path(memory) / "node1")  # node 1 is lost with its memory; the job restarts
+    results = run_distributed(_recover_on_nodes, 4, run, opts, memory, timeout=240)
+    for rank, (recovered, exact) in enumerate(results):
+        assert exact and recovered.url == f"{run}/step-3"  # never persisted: from memory only
+        assert recovered.bytes_from_durable == 0
+        assert (recovered.bytes_from_peers > 0) == (rank == 2)  # node 1's leader received
+    assert (Path(memory) / "node1").is_dir()  # the restarted node holds its chunks again
+
+    shutil.rmtree(memory)  # every node is lost: the newest durable checkpoint loads
+    results = run_distributed(_recover_on_nodes, 4, run, opts, memory, timeout=240)
+    for recovered, exact in results:
+        assert exact and recovered.url == f"{run}/step-2" and recovered.bytes_from_durable > 0
+
+
+def test_peer_plans_place_copies_on_other_nodes_and_spread_uploads():
+    from ckptturbo.peers import Copy, plan_fetches, plan_replicas, rounds, spread
+
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    order, leaders = ["n0", "n1", "n2"], {"n0": 0, "n1": 2, "n2": 4}
+    chunks = {a: 10, b: 20, c: 30}
+    held = {"n0": {a}, "n1": {b}, "n2": {c, a}}
+    assert plan_replicas(chunks, held, order, leaders, 1) == [Copy(b, 20, 2, 4), Copy(c, 30, 4, 0)]
+    two = plan_replicas(chunks, held, order, leaders, 2)  # a: n0, n2 hold it, n1 gets the third
+    assert Copy(a, 10, 0, 2) in two and len(two) == 5
+    assert all(leaders[n] != c.target for c in two for n in order if c.cid in held[n])
+    assert plan_replicas(chunks, held, order, leaders, 5) == two  # capped at one copy per node
+    assert plan_replicas(chunks, {"n0": {a}}, ["n0"], {"n0": 0}, 1) == []  # one node: nowhere
+
+    lacking = {"n1": {a, c}, "n0": set()}
+    assert plan_fetches(chunks, lacking, held, leaders) == [Copy(a, 10, 0, 2), Copy(c, 30, 4, 2)]
+    assert plan_fetches({**chunks, "d" * 64: 1}, {"n1": {"d" * 64}}, held, leaders) == []  # durable
+    share = spread(chunks, held)
+    assert sorted(x for v in share.values() for x in v) == sorted(chunks)  # each chunk once
+    assert share["n0"] == [a] and share["n1"] == [b] and share["n2"] == [c]
+    assert [len(r) for r in rounds([Copy(a, 10, 0, 2)] * 5, budget=25)] == [2, 2, 1]
 
 
 def test_tiers_cli_lists_which_tiers_hold_each_checkpoint_and_collects_per_tier(tmp_path, capsys):
@@ -254,4 +347,4 @@ def test_eviction_and_candidate_plans():
     assert plan_eviction(held, 0) == ["step-1", "step-2"]  # never the newest
     assert plan_eviction(held, 0, keep=frozenset({"step-1"})) == ["step-2"]  # nor one in flight
     ranks = [{"step-1": 1.0, "step-2": 2.0, "step-3": 3.0}, {"step-2": 2.0, "step-1": 1.0}]
-    assert newest_first(ranks) == ["step-2", "step-1"]
+    assert newest_first(ranks) == ["step-3", "step-2", "step-1"]  # any rank's: peers share

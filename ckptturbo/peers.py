@@ -1,0 +1,234 @@
+"""The peer tier: chunks copied between nodes' memory tiers over the job's gloo group.
+
+A node's memory tier outlives its processes but not the node. So that the loss of one node
+costs no read from the object store, each node's chunks of a checkpoint are copied into
+``k`` other nodes' memory tiers after the save commits (``replicate``), and a load whose
+ranks need chunks their own node lacks gets them from a node that holds them
+(``fetch``), before any is read from the durable store.
+
+Why the process group and not a server per node: every rank of every node is already in a
+gloo group the session made, so a peer's memory is reachable with no port, address book or
+daemon lifetime of its own, and the transfers are scheduled collectively with the rest of
+the save or load. The cost: a node's memory is reachable only while its ranks run, which
+is when it matters (a recovering job restarts every node's ranks, the holders' with them).
+
+Which chunk goes from which node to which is planned by pure functions (``plan_replicas``,
+``plan_fetches``) that every rank computes alike from what the nodes hold; only node
+leaders (the lowest rank of each node) send and receive, and every chunk is verified
+against its BLAKE3 name before it is written into the receiving node's tier.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .agreement import agree, gather
+from .chunks import chunk_id
+from .errors import IntegrityError
+
+log = logging.getLogger(__name__)
+
+ROUND_BYTES = 256 << 20  # bytes in flight per exchange round (sent + received, all ranks)
+
+
+class Nodes:
+    """The ranks of a group as the tiers see them: which node each rank is on, and each
+    node's leader (its lowest rank), the one that writes for the node's memory tier."""
+
+    def __init__(self, group: Any, node: str) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.nodes = 0, [node]
+        else:
+            self.rank = dist.get_rank(group)
+            self.nodes = gather(group, node)
+        self.node = node
+        self.order = list(dict.fromkeys(self.nodes))  # nodes in order of their leaders
+        self.leaders = {n: self.nodes.index(n) for n in self.order}
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def node_leader(self) -> bool:
+        return self.leaders[self.node] == self.rank
+
+    def share(self, value: Any, source: int = 0) -> Any:
+        """Rank ``source``'s ``value`` (the coordinator's by default), on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, source), group=self.group)
+        return box[0]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One chunk sent from one node leader (``source``, a rank of the group) to another."""
+
+    cid: str
+    nbytes: int
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """What a save's replication did: the copies each chunk now has in memory tiers (at
+    most 1 + ``Tiers.replicas``, fewer when there are fewer nodes), and what was sent."""
+
+    copies: int
+    chunks_sent: int
+    bytes_sent: int
+
+
+def plan_replicas(chunks: dict[str, int], held: dict[str, set[str]], order: list[str],
+                  leaders: dict[str, int], k: int) -> list[Copy]:
+    """The copies that give each chunk ``1 + k`` holders (at most one per node).
+
+    A chunk's base is its first holder in ``order``; the missing copies go to the nodes
+    after it around the ring, skipping those that hold it already (dedup per tier). A
+    chunk no node holds (evicted meanwhile) has nothing to copy."""
+    want = min(1 + k, len(order))
+    position = {n: i for i, n in enumerate(order)}
+    copies = []
+    for cid, nbytes in chunks.items():
+        holders = [n for n in order if cid in held.get(n, ())]
+        if not holders or len(holders) >= want:
+            continue
+        base = position[holders[0]]
+        missing = want - len(holders)
+        for step in range(1, len(order)):
+            target = order[(base + step) % len(order)]
+            if target in holders:
+                continue
+            copies.append(Copy(cid, nbytes, leaders[order[base]], leaders[target]))
+            missing -= 1
+            if not missing:
+                break
+    return copies
+
+
+def plan_fetches(chunks: dict[str, int], lacking: dict[str, set[str]], held: dict[str, set[str]],
+                 leaders: dict[str, int]) -> list[Copy]:
+    """The copies that bring each node the chunks its ranks need and its tier lacks, each
+    from the holder that has sent the fewest bytes so far. A chunk no other node holds is
+    left to the durable store."""
+    load = {n: 0 for n in held}
+    copies = []
+    for node in sorted(lacking):
+        for cid in sorted(lacking[node]):
+            source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
+                                   load, chunks[cid])
+            if source is not None:
+                copies.append(Copy(cid, chunks[cid], leaders[source], leaders[node]))
+    return copies
+
+
+def spread(chunks: dict[str, int], held: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each chunk given to one of the nodes holding it, balancing bytes: who uploads what
+    when a checkpoint is persisted (replicas must not be uploaded twice)."""
+    load = {n: 0 for n in held}
+    share: dict[str, list[str]] = {n: [] for n in held}
+    for cid in sorted(chunks):
+        node = _least_loaded([n for n in sorted(held) if cid in held[n]], load, chunks[cid])
+        if node is not None:
+            share[node].append(cid)
+    return share
+
+
+def _least_loaded(candidates: list[str], load: dict[str, int], nbytes: int) -> str | None:
+    """The candidate with the fewest bytes so far, charged ``nbytes``; None when none."""
+    if not candidates:
+        return None
+    chosen = min(candidates, key=lambda n: load[n])
+    load[chosen] += nbytes
+    return chosen
+
+
+def rounds(copies: list[Copy], budget: int = ROUND_BYTES) -> Iterable[list[Copy]]:
+    """``copies`` in order, cut into rounds of at most ``budget`` bytes (one copy at least)."""
+    batch: list[Copy] = []
+    size = 0
+    for copy in copies:
+        if batch and size + copy.nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(copy)
+        size += copy.nbytes
+    if batch:
+        yield batch
+
+
+def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str], bytes],
+             write: Callable[[str, memoryview], None], what: str) -> int:
+    """Carry out ``copies`` (the same list on every rank): this rank sends what it is the
+    source of and receives, verifies and writes what it is the target of. Returns the bytes
+    received here. Every round posts all its sends and receives before waiting on any, so
+    no order of arrival can deadlock; the chunks a round sends are read (and the reads
+    agreed on) before anything is posted, so a failed read fails every rank at once instead
+    of leaving a receiver waiting."""
+    received = 0
+    for batch in rounds(copies):
+        outgoing: list[tuple[int, Copy, bytes]] = []
+        problem: Exception | None = None
+        try:
+            outgoing = [(i, c, read(c.cid)) for i, c in enumerate(batch) if c.source == nodes.rank]
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            problem = exc
+        agree(nodes.group, f"reading the chunks {what} sends", lambda: _raise(problem))
+        work, incoming = [], []
+        for i, copy, data in outgoing:
+            if copy.nbytes:
+                buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
+                                       group=nodes.group, tag=i))
+        for i, copy in enumerate(batch):
+            if copy.target == nodes.rank:
+                buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
+                if copy.nbytes:
+                    work.append(dist.irecv(buffer, dist.get_global_rank(nodes.group, copy.source),
+                                           group=nodes.group, tag=i))
+                incoming.append((copy, buffer))
+        for w in work:
+            w.wait()
+        agree(nodes.group, f"writing the chunks {what} received",
+              lambda: [_keep(copy, buffer, nodes, write) for copy, buffer in incoming])
+        received += sum(copy.nbytes for copy, _ in incoming)
+    return received
+
+
+def _raise(problem: Exception | None) -> None:
+    if problem is not None:
+        raise problem
+
+
+def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, memoryview], None]) -> None:
+    view = memoryview(buffer.numpy())
+    if chunk_id(view) != copy.cid:
+        raise IntegrityError(f"chunk {copy.cid} received from node {nodes.nodes[copy.source]!r} "
+                             f"(rank {copy.source}) does not hash to its name: damaged in transit "
+                             "or in that node's memory tier")
+    write(copy.cid, view)
+
+
+def holdings(nodes: Nodes, held_here: Callable[[], set[str]] | None, ids: list[str]) -> dict[str, set[str]]:
+    """Which of ``ids`` each node's memory tier holds: node leaders report theirs (a bitmap
+    over ``ids``), every rank gets every node's."""
+    mine = None
+    if nodes.node_leader and held_here is not None:
+        have = held_here()
+        mine = np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
+    out: dict[str, set[str]] = {}
+    for rank, bits in enumerate(gather(nodes.group, mine)):
+        if bits is not None:
+            flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(ids)).astype(bool)
+            out[nodes.nodes[rank]] = {c for c, f in zip(ids, flags) if f}
+    return out
+
