@@ -12,6 +12,9 @@ Scenarios (see docs/benchmarks.md for what each compares and the targets):
     grouped-load        4 ranks load the same state: bytes served, time, 2 vs 4 ranks
     coordinator-scale   simulated 256-4,096-rank saves and loads in one process: CPU of the
                         coordinator path and bytes per rank (--worlds, --workloads)
+    tiers               --ranks/2 "nodes" of 2 ranks: recovery of a lost node from its peers'
+                        memory vs a load from S3 behind a 20 ms, 50 MB/s proxy; the stall of
+                        a memory-tier save every step; host memory per node
     all                 every scenario, each in a fresh process, then a summary of ratios
 
 Each scenario prints a table, and writes <out>/<scenario>.json (raw numbers, ratios,
@@ -34,13 +37,13 @@ from .report import Report
 
 SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1024,
            "one-big-replicated": 1024, "incremental": 1024, "async-stall": 1024,
-           "grouped-load": 1024, "coordinator-scale": 0}
+           "grouped-load": 1024, "coordinator-scale": 0, "tiers": 1024}
 REPS = {"local-1p": 3, "s3-1p": 2, "ddp-4r-local": 2, "ddp-4r-s3": 2, "one-big-replicated": 2,
-        "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1}
+        "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1, "tiers": 2}
 
 
 def _scenarios() -> dict[str, Callable[[Any], Report]]:
-    from . import coordinator_scale, scenarios_dist, scenarios_single
+    from . import coordinator_scale, scenarios_dist, scenarios_single, tiers_recovery
 
     return {
         "local-1p": scenarios_single.local_1p,
@@ -52,6 +55,7 @@ def _scenarios() -> dict[str, Callable[[Any], Report]]:
         "async-stall": scenarios_single.async_stall,
         "grouped-load": scenarios_dist.grouped_load,
         "coordinator-scale": coordinator_scale.scenario,
+        "tiers": tiers_recovery.scenario,
     }
 
 
