@@ -190,3 +190,23 @@ def test_save_load_s3(tmp_path, s3_server):
     run = s3_server.url("accelerate")
     assert_restored(run_two_ranks(tmp_path, f"{run}/step-3", s3_server.storage_options))
     assert [c.name for c in catalog.list_checkpoints(run, s3_server.storage_options)] == ["step-3"]
+
+
+def test_tiered_save_state_lands_in_host_memory_and_loads_from_it(tmp_path, accelerator, s3_server):
+    """``tiers=`` passes through: a save_state that is not persisted is in the memory tier
+    only, and load_state with the same tiers restores it from there."""
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    url = s3_server.url("accelerate-tiers") + "/step-1"
+    opts = s3_server.storage_options
+    model, _, _, counter = prepared(accelerator, seed=5)
+    saved, counter.n = weights(model), 7
+    handle = save_state(accelerator, url, storage_options=opts, tiers=tiers)
+    assert isinstance(handle, ct.TieredSaveHandle) and handle.wait() is None and not handle.persisted
+    assert not ct.exists(url, storage_options=opts)  # memory only: never reported durable
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    counter.n = 0
+    load_state(accelerator, url, storage_options=opts, tiers=tiers)
+    assert all(torch.equal(v, weights(model)[k]) for k, v in saved.items())
+    assert counter.n == 7
