@@ -166,29 +166,31 @@ def rounds(copies: list[Copy], budget: int = ROUND_BYTES) -> Iterable[list[Copy]
         yield batch
 
 
-def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str], bytes],
+def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryview], None],
              write: Callable[[str, memoryview], None], what: str) -> int:
     """Carry out ``copies`` (the same list on every rank): this rank sends what it is the
-    source of and receives, verifies and writes what it is the target of. Returns the bytes
-    received here. Every round posts all its sends and receives before waiting on any, so
+    source of (``read_into`` fills a buffer with a chunk) and receives, verifies and writes
+    what it is the target of. Returns the bytes received here. Every round posts all its sends and receives before waiting on any, so
     no order of arrival can deadlock; the chunks a round sends are read (and the reads
     agreed on) before anything is posted, so a failed read fails every rank at once instead
     of leaving a receiver waiting."""
     received = 0
     for batch in rounds(copies):
-        outgoing: list[tuple[int, Copy, bytes]] = []
+        outgoing: list[tuple[int, Copy, torch.Tensor]] = []
         problem: Exception | None = None
         try:
-            outgoing = [(i, c, read(c.cid)) for i, c in enumerate(batch) if c.source == nodes.rank]
+            for i, copy in enumerate(batch):
+                if copy.source == nodes.rank and copy.nbytes:
+                    buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
+                    read_into(copy.cid, memoryview(buffer.numpy()))
+                    outgoing.append((i, copy, buffer))
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         agree(nodes.group, f"reading the chunks {what} sends", lambda: _raise(problem))
         work, incoming = [], []
-        for i, copy, data in outgoing:
-            if copy.nbytes:
-                buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
-                                       group=nodes.group, tag=i))
+        for i, copy, buffer in outgoing:
+            work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
+                                   group=nodes.group, tag=i))
         for i, copy in enumerate(batch):
             if copy.target == nodes.rank:
                 buffer = torch.empty(copy.nbytes, dtype=torch.uint8)

@@ -91,7 +91,7 @@ class TieredChunkSource(ChunkSource):
         copies = plan_fetches(self.manifest.chunks, lacking, held, nodes.leaders)
         run = self.memory.run if self.memory is not None else None
         self.bytes_from_peers += exchange(
-            nodes, copies, lambda cid: run.store.get(run.chunk_path(cid)),
+            nodes, copies, lambda cid, out: run.store.get_into(run.chunk_path(cid), out),
             lambda cid, data: run.store.put(run.chunk_path(cid), data), f"loading {self.url}")
         self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
 
