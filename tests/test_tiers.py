@@ -355,21 +355,22 @@ NODE_KILL_TRIALS = 20 if SOAK else 1
 
 
 def _save_until_killed(rank: int, world: int, run: str, opts: dict, memory: str, progress: str,
-                       kill_after: float) -> None:
-    """Tiered saves in a loop; node 1's ranks die by SIGKILL ``kill_after`` seconds in (the
-    node's memory is removed by the test), node 0's rank 0 records each step replicated."""
+                       kill_after: float, victim: str) -> None:
+    """Tiered saves in a loop; the ranks of node ``victim`` die by SIGKILL ``kill_after``
+    seconds in (the test then removes its memory); the other node's first rank records each
+    step replicated."""
     import signal
     import threading
 
     os.environ["CKPTTURBO_NODE"] = _node_of(rank)
-    if _node_of(rank) == "node1":
+    if _node_of(rank) == victim:
         threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
     tiers = ct.Tiers(memory=memory, persist_every=2)
     with ct.Session() as s:
         for step in range(1, 100_000):  # until node 1 dies and the group breaks
             handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
             handle.replicated.result()
-            if rank == 0:
+            if _node_of(rank) != victim and rank % 2 == 0:
                 Path(progress).write_text(str(step))
 
 
@@ -396,10 +397,11 @@ def _verified_tiers(run: str, opts: dict, memory: str) -> tuple[set[str], list[s
 
 @pytest.mark.parametrize("trial", range(NODE_KILL_TRIALS))
 def test_a_node_killed_at_a_random_moment_leaves_every_tier_verifiable(tmp_path, s3_server, trial):
-    """kill -9 of a whole node (its two ranks, then its memory) at a random moment of a loop
-    of tiered saves: every manifest in every tier verifies, every durable checkpoint is
-    whole, and the restarted job recovers, bit-exact, at least the newest checkpoint that
-    was replicated before the kill, without a byte from the durable store."""
+    """kill -9 of a whole node (its two ranks, then its memory; the coordinator's node in odd
+    trials) at a random moment of a loop of tiered saves: every manifest in every tier
+    verifies, every durable checkpoint is whole, and the restarted job recovers, bit-exact,
+    at least the newest checkpoint that was replicated before the kill, without a byte from
+    the durable store when that one was only in memory."""
     import random
 
     from ckptturbo.testing.launcher import RankFailure
@@ -407,11 +409,13 @@ def test_a_node_killed_at_a_random_moment_leaves_every_tier_verifiable(tmp_path,
     run, opts, memory = s3_server.url(), s3_server.storage_options, str(tmp_path / "mem")
     progress = tmp_path / "progress"
     kill_after = random.Random(trial).uniform(4.0, 9.0)
+    victim = f"node{(trial + 1) % 2}"
     outcomes = run_distributed(_save_until_killed, 4, run, opts, memory, str(progress), kill_after,
-                               timeout=120, expect_failures=True)
-    assert all(isinstance(o, RankFailure) for o in outcomes[2:])  # node 1 died
+                               victim, timeout=120, expect_failures=True)
+    dead = outcomes[2:] if victim == "node1" else outcomes[:2]
+    assert all(isinstance(o, RankFailure) and o.exitcode == -9 for o in dead), dead
     replicated = int(progress.read_text()) if progress.exists() else 0
-    shutil.rmtree(Path(memory) / "node1", ignore_errors=True)  # with its memory
+    shutil.rmtree(Path(memory) / victim, ignore_errors=True)  # with its memory
 
     names, problems = _verified_tiers(run, opts, memory)
     assert not problems, problems
