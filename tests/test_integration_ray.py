@@ -106,7 +106,7 @@ def test_train_kill_restore_dedup_and_gc(s3_server, local_ray, tmp_path):
     # written by one of them (or found already stored), never by both
     for url in committed:
         manifest = _manifest(fs, url)
-        unique = sum(manifest["chunks"].values())
+        unique = sum(manifest["chunk_sizes"])
         rows = [r for r in saves if r["url"] == url]
         assert len(rows) == 2
         assert sum(r["bytes_written"] + r["bytes_reused"] for r in rows) == unique, url
