@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -102,9 +102,9 @@ def _numel(sizes: tuple[int, ...]) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class StoredPiece:
-    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it."""
+class StoredPiece(NamedTuple):
+    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it (a
+    tuple: a loading rank makes thousands of them from the manifest's piece lists)."""
 
     start: int
     length: int
