@@ -25,9 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from itertools import accumulate, chain
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import numpy as np
 
 from .chunks import chunk_id, validate_chunk_id
 from .errors import CheckpointNotFound, FormatError, StorageError
@@ -38,12 +43,16 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: `ls` and `inspect
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT_NAME = "ckptturbo-manifest"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Version 1 manifests carry no checksum of their own; they are still read (with a warning).
-READABLE_VERSIONS = (1, 2)
+# Versions 1 and 2 spell every piece out (its start, its chunk's id); version 3 is compact.
+READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_FIELD = "blake3"
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
+_LIMIT = 1 << 62  # no integer of a manifest reaches this: sums of two fit in int64
+_HEX = re.compile(r"[0-9a-f]*")
+_INT = re.compile(r"-?[0-9]+")
 # Reads of an object (chunk or manifest) that fails verification before it is reported
 # damaged: damage in transit reads right a later time, damage at rest never does. Two: at 10%
 # injected faults one chunk came back corrupted twice in a row in 20 seeds (soak run).
@@ -77,27 +86,30 @@ def chunk_relpath(cid: str) -> str:
     return f"{cid[:2]}/{cid}"
 
 
-@dataclass(frozen=True)
-class StoredPiece:
-    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it."""
+def _ints(values: Any, where: str) -> list[int]:
+    if not isinstance(values, (list, tuple)):
+        raise FormatError(f"{where}: expected a list of integers, got {type(values).__name__}")
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise FormatError(f"{where}: expected non-negative integers, got {v!r}")
+    return list(values)
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+class StoredPiece(NamedTuple):
+    """Where bytes [start, start+length) of a shard live: a chunk and an offset in it (a
+    tuple: a loading rank makes thousands of them from the manifest's piece lists)."""
 
     start: int
     length: int
     chunk: str
     offset: int
-
-    def to_json(self) -> list:
-        return [self.start, self.length, self.chunk, self.offset]
-
-    @classmethod
-    def from_json(cls, raw: Sequence) -> "StoredPiece":
-        if not isinstance(raw, (list, tuple)) or len(raw) != 4:
-            raise FormatError(f"malformed piece record {raw!r}")
-        start, length, cid, offset = raw
-        for v in (start, length, offset):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise FormatError(f"malformed piece record {raw!r}: negative or non-integer")
-        return cls(start, length, validate_chunk_id(cid), offset)
 
 
 def dtype_name(dtype: "torch.dtype | str") -> str:
@@ -108,10 +120,16 @@ def parse_dtype(name: Any) -> "torch.dtype":
     """The torch.dtype a manifest names (this imports torch)."""
     import torch
 
+    if isinstance(name, str) and name in _TORCH_DTYPES:
+        return _TORCH_DTYPES[name]
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != name:
         raise FormatError(f"unknown dtype {name!r} in manifest")
+    _TORCH_DTYPES[str(name)] = dtype
     return dtype
+
+
+_TORCH_DTYPES: dict[str, Any] = {}  # parse_dtype's answers: a manifest names a few dtypes often
 
 
 class _DtypeName(str):
@@ -132,24 +150,6 @@ class _DtypeName(str):
         return out
 
 
-class _LazyDtype:
-    """``ItemRecord.dtype``: kept as its name until first read, then a torch.dtype."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attr = f"_{name}"
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return None  # the dataclass default
-        value = obj.__dict__.get(self.attr)
-        if isinstance(value, str):
-            value = obj.__dict__[self.attr] = parse_dtype(value)
-        return value
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.attr] = value
-
-
 @dataclass
 class ShardRecord:
     """One stored box of a tensor (or the whole of a bytes object), and where its bytes are."""
@@ -158,23 +158,6 @@ class ShardRecord:
     sizes: tuple[int, ...]
     nbytes: int
     pieces: list[StoredPiece]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "nbytes": self.nbytes,
-                "pieces": [p.to_json() for p in self.pieces]}
-
-    @classmethod
-    def from_json(cls, raw: Any, where: str) -> "ShardRecord":
-        try:
-            offsets = tuple(_ints(raw["offsets"], where))
-            sizes = tuple(_ints(raw["sizes"], where))
-            nbytes = _ints([raw["nbytes"]], where)[0]
-            pieces = [StoredPiece.from_json(p) for p in raw["pieces"]]
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"malformed shard record for {where}: {exc}") from exc
-        record = cls(offsets, sizes, nbytes, pieces)
-        record.check(where)
-        return record
 
     def check(self, where: str) -> None:
         """Pieces must tile [0, nbytes) exactly, in order: no gaps, no overlaps."""
@@ -187,51 +170,189 @@ class ShardRecord:
             raise FormatError(f"{where}: pieces cover {pos} of {self.nbytes} bytes")
 
 
-@dataclass
-class ItemRecord:
-    """One state-dict entry: a tensor (possibly in several shards) or a serialized object."""
+class _Boxes:
+    """The shard boxes of the tensor records of one shape, dtype and ``boxes`` list, parsed
+    once: a model's tensors share a few shapes and one sharding (the 186K shards of a 72B
+    HSDP manifest have a few dozen distinct lists), and so do DCP's chunk metadata."""
 
-    kind: str
-    shards: list[ShardRecord]
-    dtype: torch.dtype | None = _LazyDtype()  # type: ignore[assignment]
-    size: tuple[int, ...] | None = None
-    requires_grad: bool = False
+    def __init__(self, ndim: int, flat: tuple[int, ...], where: str) -> None:
+        _ints(flat, where)
+        step = 2 * ndim
+        if (step == 0 and flat) or (step and len(flat) % step):
+            raise FormatError(f"{where!r}: {len(flat)} box values do not make boxes of rank {ndim}")
+        starts = range(0, len(flat), step) if step else range(1)
+        self.offsets = [flat[i:i + ndim] for i in starts]
+        self.sizes = [flat[i + ndim:i + step] for i in starts]
+        self._position: dict[tuple[int, ...], int] | None = None
+        self._chunk_metas: list[Any] | None = None
+
+    def check_fits(self, size: tuple[int, ...], where: str) -> None:
+        """Every box lies inside a tensor of ``size``."""
+        for offsets, sizes in zip(self.offsets, self.sizes):
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise FormatError(f"{where!r}: shard {offsets}+{sizes} exceeds size {size}")
+
+    def nbytes(self, itemsize: int) -> list[int]:
+        """The bytes each box holds of a dtype of ``itemsize``."""
+        return [_numel(s) * itemsize for s in self.sizes]
+
+    def position(self, offsets: Sequence[int]) -> int | None:
+        """Which box starts at ``offsets`` (None: none)."""
+        if self._position is None:
+            self._position = {o: j for j, o in enumerate(self.offsets)}
+        return self._position.get(tuple(offsets))
+
+    def chunk_metas(self) -> list[Any]:
+        """DCP's ChunkStorageMetadata of the boxes, made once (DCP only reads them)."""
+        if self._chunk_metas is None:
+            import torch
+            from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+            self._chunk_metas = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                                 for o, s in zip(self.offsets, self.sizes)]
+        return self._chunk_metas
+
+
+_OBJECT_BOX = _Boxes(0, (), "an object")  # an object's one shard has no box
+
+
+class ItemRecord:
+    """One state-dict entry: a tensor (possibly in several shards) or a serialized object.
+
+    A record read from a manifest keeps its pieces as the manifest lists them (the piece
+    count of each shard, then (length, chunk ordinal, offset) per piece), builds its
+    ``shards`` when they are first read, and ``shard_at`` builds only the one asked for:
+    a loading rank of an HSDP job uses one shard in 64."""
+
+    __slots__ = ("kind", "size", "requires_grad", "_dtype", "_shards", "_boxes", "_pieces",
+                 "_ids", "_first", "_position")
+
+    def __init__(self, kind: str, shards: list[ShardRecord] | None, dtype: Any = None,
+                 size: tuple[int, ...] | None = None, requires_grad: bool = False) -> None:
+        self.kind = kind
+        self.size = size
+        self.requires_grad = requires_grad
+        self._dtype = dtype  # a torch.dtype, or its name until first read
+        self._shards = shards
+        self._boxes: _Boxes | None = None
+        self._pieces: list[int] = []
+        self._ids: list[str] = []
+        self._first: list[int] | None = None
+        self._position: dict[tuple[int, ...], int] | None = None
+
+    @classmethod
+    def _stored(cls, kind: str, dtype: Any, size: tuple[int, ...] | None, requires_grad: bool,
+                boxes: _Boxes, pieces: list[int], ids: list[str]) -> "ItemRecord":
+        """A record as a version 3 manifest holds it (checked by the caller)."""
+        item = cls(kind, None, dtype, size, requires_grad)
+        item._boxes, item._pieces, item._ids = boxes, pieces, ids
+        return item
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        if isinstance(self._dtype, str):
+            self._dtype = parse_dtype(str(self._dtype))
+        return self._dtype
 
     @property
     def dtype_name(self) -> str | None:
         """The dtype's name ("bfloat16"), read without importing torch."""
-        value = self.__dict__.get("_dtype")
-        return None if value is None else dtype_name(value)
+        return None if self._dtype is None else dtype_name(self._dtype)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "shards": [s.to_json() for s in self.shards]}
-        if self.kind == "tensor":
-            out.update(dtype=dtype_name(self.dtype), size=list(self.size),
-                       requires_grad=self.requires_grad)
-        return out
+    @property
+    def shards(self) -> list[ShardRecord]:
+        if self._shards is None:
+            self._shards = [self._shard(j) for j in range(len(self._boxes.offsets))]
+        return self._shards
 
-    @classmethod
-    def from_json(cls, fqn: str, raw: Any) -> "ItemRecord":
-        if not isinstance(raw, dict) or raw.get("kind") not in ("tensor", "bytes"):
-            raise FormatError(f"malformed item record for {fqn!r}")
-        if not isinstance(raw.get("shards"), list):
-            raise FormatError(f"malformed item record for {fqn!r}: 'shards' must be a list")
-        shards = [ShardRecord.from_json(s, fqn) for s in raw["shards"]]
-        if raw["kind"] == "bytes":
-            if len(shards) != 1:
-                raise FormatError(f"object {fqn!r} must have exactly one shard")
-            return cls("bytes", shards)
-        size = tuple(_ints(raw.get("size"), fqn))
-        dtype = _DtypeName.parse(raw.get("dtype"))
-        for s in shards:
-            if len(s.offsets) != len(size) or len(s.sizes) != len(size):
-                raise FormatError(f"{fqn!r}: shard rank does not match tensor rank {len(size)}")
-            if any(o + n > d for o, n, d in zip(s.offsets, s.sizes, size)):
-                raise FormatError(f"{fqn!r}: shard {s.offsets}+{s.sizes} exceeds size {size}")
-            expected = _numel(s.sizes) * dtype.itemsize
-            if s.nbytes != expected:
-                raise FormatError(f"{fqn!r}: shard holds {s.nbytes} bytes, shape needs {expected}")
-        return cls("tensor", shards, dtype, size, bool(raw.get("requires_grad", False)))
+    def shard_at(self, offsets: Sequence[int] | None) -> ShardRecord | None:
+        """The shard a DCP ``MetadataIndex`` names (an object's by no offsets, a tensor's
+        by its offsets), or None."""
+        if (self.kind == "bytes") != (offsets is None):
+            return None
+        if self._shards is None:
+            j = self._boxes.position(offsets or ())
+            return None if j is None else self._shard(j)
+        if self._position is None:
+            self._position = {tuple(s.offsets): j for j, s in enumerate(self._shards)}
+        j = self._position.get(tuple(offsets or ()))
+        return None if j is None else self._shards[j]
+
+    def _shard(self, j: int) -> ShardRecord:
+        """Shard ``j`` of a stored record; a piece starts where the one before it ended."""
+        raw, ids, count = self._pieces, self._ids, len(self._boxes.offsets)
+        if self._first is None:
+            self._first = list(accumulate(raw[:count], initial=0))
+        at = count + 3 * self._first[j]
+        out, pos = [], 0
+        for i in range(at, at + 3 * raw[j], 3):
+            out.append(StoredPiece(pos, raw[i], ids[raw[i + 1]], raw[i + 2]))
+            pos += raw[i]
+        return ShardRecord(self._boxes.offsets[j], self._boxes.sizes[j], pos, out)
+
+    def offsets(self) -> list[tuple[int, ...]]:
+        """The offsets of the shards, without building them."""
+        if self._shards is None:
+            return self._boxes.offsets
+        return [tuple(s.offsets) for s in self._shards]
+
+    def chunk_metas(self) -> list[Any]:
+        """DCP's ChunkStorageMetadata of each shard."""
+        if self._shards is None:
+            return list(self._boxes.chunk_metas())
+        import torch
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+                for s in self._shards]
+
+    def to_record(self, fqn: str, ordinal: dict[str, int]) -> list[Any]:
+        """The item as a version 3 manifest spells it (docs/format.md)."""
+        counts: list[int] = []
+        triples: list[int] = []
+        boxes: list[int] = []
+        for s in self.shards:
+            s.check(fqn)  # the record leaves piece starts out: they follow from the lengths
+            counts.append(len(s.pieces))
+            for p in s.pieces:
+                triples += (p.length, ordinal[p.chunk], p.offset)
+            boxes += s.offsets
+            boxes += s.sizes
+        if self.kind == "bytes":
+            return ["bytes", counts + triples]
+        return ["tensor", self.dtype_name, list(self.size), bool(self.requires_grad), boxes,
+                counts + triples]
+
+
+class _ShardIndex(Mapping):
+    """DCP's ``Metadata.storage_data`` of a manifest: MetadataIndex -> ShardRecord, looked
+    up in the items instead of copied into a dict of every shard (a rank reads a few)."""
+
+    def __init__(self, items: dict[str, ItemRecord]) -> None:
+        self._items = items
+
+    def __getitem__(self, index: Any) -> ShardRecord:
+        item = self._items.get(getattr(index, "fqn", None))
+        shard = item.shard_at(index.offset) if item is not None else None
+        if shard is None:
+            raise KeyError(index)
+        return shard
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        for fqn, item in self._items.items():
+            if item.kind == "bytes":
+                yield MetadataIndex(fqn)
+            else:
+                for offsets in item.offsets():
+                    yield MetadataIndex(fqn, offsets)
+
+    def __len__(self) -> int:
+        return sum(len(item.offsets()) for item in self._items.values())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (list(self.items()),)  # pickled as the plain dict it stands for
 
 
 @dataclass
@@ -247,77 +368,65 @@ class Manifest:
 
     # --- serialisation
     def to_bytes(self) -> bytes:
+        """The manifest in the current version's form, with its checksum."""
+        ordinal = {cid: i for i, cid in enumerate(self.chunks)}
+        paths = _planner_paths(self.planner_data, self.items)
+        items = {}
+        for fqn, item in self.items.items():
+            items[fqn] = item.to_record(fqn, ordinal)
+            if paths is not None:
+                items[fqn].append(paths[fqn])
         doc = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "created": self.created,
             "chunk_store": self.chunk_store, "dcp_version": self.dcp_version,
             "storage_meta": self.storage_meta, "stats": self.stats,
-            "planner_data": _planner_data_to_json(self.planner_data),
-            "chunks": self.chunks,
-            "items": {fqn: item.to_json() for fqn, item in self.items.items()},
+            "planner_data": None if paths is not None else _planner_data_to_json(self.planner_data),
+            "planner_paths": paths is not None,
+            "chunk_ids": "".join(self.chunks), "chunk_sizes": list(self.chunks.values()),
+            "items": items,
         }
         return _with_checksum(_canonical(doc))
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "Manifest":
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise FormatError(f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise FormatError(f"{where} is not a ckptturbo manifest")
-        if doc.get("version") not in READABLE_VERSIONS:
-            raise FormatError(f"{where} has format version {doc.get('version')!r}; "
-                              f"this ckptturbo reads versions {READABLE_VERSIONS}")
-        if not _checksum_of_bytes_holds(data, doc):
-            _check_checksum(doc, where)
-        doc.pop(CHECKSUM_FIELD, None)
-        chunks = doc.get("chunks")
-        if not isinstance(chunks, dict):
-            raise FormatError(f"{where}: 'chunks' must be an object")
-        for cid, size in chunks.items():
-            validate_chunk_id(cid)
-            _ints([size], where)
-        items_raw = doc.get("items")
-        if not isinstance(items_raw, dict):
-            raise FormatError(f"{where}: 'items' must be an object")
-        items = {fqn: ItemRecord.from_json(fqn, raw) for fqn, raw in items_raw.items()}
-        for fqn, item in items.items():
-            for shard in item.shards:
-                for p in shard.pieces:
-                    if p.chunk not in chunks or p.offset + p.length > chunks[p.chunk]:
-                        raise FormatError(f"{where}: {fqn!r} names bytes outside chunk {p.chunk}")
+        doc = _verified_document(data, where)
+        if doc["version"] < 3:
+            doc = _v2_as_v3(doc, where)
+        ids, sizes = _chunk_table(doc, where)
+        with_paths = doc.get("planner_paths", False)
+        if type(with_paths) is not bool:
+            raise FormatError(f"{where}: 'planner_paths' must be true or false")
+        items, paths = _decode_items(doc.get("items"), ids, sizes, with_paths, where)
         store = _typed(doc, "chunk_store", str, RUN_STORE, where)
         created = _typed(doc, "created", (int, float), 0, where)
-        return cls(items=items, chunks={k: int(v) for k, v in chunks.items()},
-                   planner_data=_planner_data_from_json(doc.get("planner_data")),
+        planner_data = paths if with_paths else _planner_data_from_json(doc.get("planner_data"))
+        return cls(items=items, chunks=dict(zip(ids, sizes.tolist())), planner_data=planner_data,
                    storage_meta=_typed(doc, "storage_meta", dict, {}, where),
                    created=float(created), stats=_typed(doc, "stats", dict, {}, where),
                    chunk_store=store, dcp_version=_typed(doc, "dcp_version", str, None, where))
 
     # --- DCP view
     def to_metadata(self) -> Metadata:
+        """DCP's Metadata; its ``storage_data`` looks shards up in the items when asked."""
         import torch
         from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-            TensorProperties, TensorStorageMetadata)
+            BytesStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata)
 
         sd_meta: dict[str, Any] = {}
-        storage_data: dict[MetadataIndex, ShardRecord] = {}
+        props: dict[tuple[Any, bool], TensorProperties] = {}  # shared: DCP only reads them
         for fqn, item in self.items.items():
             if item.kind == "bytes":
                 sd_meta[fqn] = BytesStorageMetadata()
-                storage_data[MetadataIndex(fqn)] = item.shards[0]
                 continue
-            props = TensorProperties(dtype=item.dtype, requires_grad=item.requires_grad)
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
-                      for s in item.shards]
-            sd_meta[fqn] = TensorStorageMetadata(props, torch.Size(item.size), chunks)
-            for s in item.shards:
-                storage_data[MetadataIndex(fqn, s.offsets)] = s
+            key = (item.dtype, item.requires_grad)
+            if key not in props:
+                props[key] = TensorProperties(dtype=key[0], requires_grad=key[1])
+            sd_meta[fqn] = TensorStorageMetadata(props[key], torch.Size(item.size), item.chunk_metas())
         meta = StorageMeta(checkpoint_id=self.storage_meta.get("checkpoint_id"),
                            save_id=self.storage_meta.get("save_id"))
         return Metadata(state_dict_metadata=sd_meta, planner_data=self.planner_data,
-                        storage_data=storage_data, storage_meta=meta, version=self.dcp_version)
+                        storage_data=_ShardIndex(self.items), storage_meta=meta,
+                        version=self.dcp_version)
 
     @property
     def total_bytes(self) -> int:
@@ -481,6 +590,215 @@ def _check_checksum(doc: dict[str, Any], where: str) -> None:
                           f"the checksum it was committed with is {stored[:16]}...")
 
 
+def _verified_document(data: bytes, where: str) -> dict[str, Any]:
+    """The parsed manifest, of a version this reads, its checksum verified and removed."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise FormatError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where} is not a ckptturbo manifest")
+    version = doc.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise FormatError(f"{where} has format version {version!r}; "
+                          f"this ckptturbo reads versions {READABLE_VERSIONS}")
+    if not _checksum_of_bytes_holds(data, doc):
+        _check_checksum(doc, where)
+    doc.pop(CHECKSUM_FIELD, None)
+    return doc
+
+
+def _chunk_table(doc: dict[str, Any], where: str) -> tuple[list[str], np.ndarray]:
+    """The chunk ids (a piece names its chunk by its position here) and their sizes."""
+    joined, sizes = doc.get("chunk_ids"), doc.get("chunk_sizes")
+    if not isinstance(joined, str) or not isinstance(sizes, list) or len(joined) != 64 * len(sizes):
+        raise FormatError(f"{where}: 'chunk_ids' must hold 64 hex digits per entry of 'chunk_sizes'")
+    ids = [joined[i:i + 64] for i in range(0, len(joined), 64)]
+    if not _HEX.fullmatch(joined):
+        for cid in ids:
+            validate_chunk_id(cid)  # raises, naming the first id that is not one
+    if len(set(ids)) != len(ids):
+        raise FormatError(f"{where}: a chunk id is listed twice in 'chunk_ids'")
+    return ids, _int_array(sizes, f"{where}: 'chunk_sizes'")
+
+
+def _decode_items(raw: Any, ids: list[str], table: np.ndarray, with_paths: bool,
+                  where: str) -> tuple[dict[str, ItemRecord], dict[str, tuple] | None]:
+    """The items of a version 3 manifest, every field checked (pieces all at once, in
+    ``_check_pieces``), and the planner data of their paths when ``with_paths``."""
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: 'items' must be an object")
+    shapes: dict[tuple, tuple] = {}
+    items: dict[str, ItemRecord] = {}
+    paths: dict[str, tuple] = {}
+    want: list[int] = []
+    for fqn, rec in raw.items():
+        if with_paths:
+            if not isinstance(rec, list) or not rec:
+                raise FormatError(f"malformed item record for {fqn!r}")
+            paths[fqn] = _path_of(fqn, rec[-1])
+            rec = rec[:-1]
+        items[fqn], shard_bytes = _item_of(fqn, rec, shapes, ids)
+        want += shard_bytes
+    _check_pieces(items, want, table, where)
+    return items, (paths if with_paths else None)
+
+
+def _item_of(fqn: str, rec: Any, shapes: dict[tuple, tuple],
+             ids: list[str]) -> tuple[ItemRecord, list[int]]:
+    """One item record, checked on its own, and the bytes each of its shards must hold
+    (-1: an object's, any number). Records of the same dtype, size and boxes share one
+    check and one parse (``shapes``)."""
+    kind = rec[0] if isinstance(rec, list) and rec else None
+    if kind == "bytes" and len(rec) == 2:
+        boxes, pieces, dtype, size, grad, want = _OBJECT_BOX, rec[1], None, None, False, [-1]
+    elif kind == "tensor" and len(rec) == 6:
+        _, name, raw_size, grad, flat, pieces = rec
+        try:
+            key = (name, tuple(raw_size), grad, tuple(flat))
+            shape = shapes.get(key)
+        except TypeError:  # not lists, or something unhashable in them
+            raise FormatError(f"malformed item record for {fqn!r}") from None
+        if shape is None:
+            shape = shapes[key] = _tensor_shape(fqn, name, raw_size, grad, key[3])
+        dtype, size, boxes, want = shape
+    else:
+        raise FormatError(f"malformed item record for {fqn!r}")
+    count = len(boxes.offsets)
+    try:
+        total = sum(pieces[:count]) if isinstance(pieces, list) else -1
+    except TypeError:
+        total = -1
+    if not isinstance(pieces, list) or len(pieces) != count + 3 * total:
+        raise FormatError(f"{fqn!r}: malformed pieces list")
+    return ItemRecord._stored(kind, dtype, size, grad, boxes, pieces, ids), want
+
+
+def _tensor_shape(fqn: str, name: Any, raw_size: Any, grad: Any,
+                  flat: tuple) -> tuple[_DtypeName, tuple[int, ...], _Boxes, list[int]]:
+    """A tensor record's dtype, size and boxes, checked, and the bytes of each box."""
+    dtype = _DtypeName.parse(name)
+    size = tuple(_ints(raw_size, fqn))
+    if type(grad) is not bool:
+        raise FormatError(f"{fqn!r}: requires_grad must be true or false")
+    if _numel(size) * dtype.itemsize >= _LIMIT:
+        raise FormatError(f"{fqn!r}: size {size} is too large")
+    boxes = _Boxes(len(size), flat, fqn)
+    boxes.check_fits(size, fqn)
+    return dtype, size, boxes, boxes.nbytes(dtype.itemsize)
+
+
+def _check_pieces(items: dict[str, ItemRecord], want: list[int], table: np.ndarray,
+                  where: str) -> None:
+    """Every piece of every item at once: integers, inside its chunk, and the pieces of
+    each shard add up to the bytes the shard holds (they tile it: starts are implied)."""
+    stored = [(item._pieces, len(item._boxes.offsets)) for item in items.values()]
+    counts = _int_array(list(chain.from_iterable(raw[:n] for raw, n in stored)), where)
+    flat = list(chain.from_iterable(raw[n:] for raw, n in stored))
+    length, chunk, offset = _int_array(flat, where).reshape(-1, 3).T
+    if sum(flat[0::3]) >= _LIMIT:
+        raise FormatError(f"{where}: the pieces add up to more bytes than a checkpoint can hold")
+    ceiling = np.append(table, -1)[np.minimum(chunk, len(table))]  # a chunk not listed: -1
+    outside = offset + length > ceiling
+    names = list(items)
+    if outside.any():
+        at = np.cumsum([(len(raw) - n) // 3 for raw, n in stored])
+        i = int(np.argmax(outside))
+        fqn = names[int(np.searchsorted(at, i, side="right"))]
+        raise FormatError(f"{where}: {fqn!r} names bytes outside chunk number {int(chunk[i])}")
+    ends = np.cumsum(counts)
+    total = np.concatenate(([0], np.cumsum(length)))
+    held = total[ends] - total[ends - counts]
+    expected = np.array(want, dtype=np.int64)
+    wrong = (expected >= 0) & (held != expected)
+    if wrong.any():
+        s = int(np.argmax(wrong))
+        fqn = names[int(np.searchsorted(np.cumsum([n for _, n in stored]), s, side="right"))]
+        raise FormatError(f"{where}: {fqn!r}: pieces cover {int(held[s])} of the "
+                          f"{int(expected[s])} bytes of a shard")
+
+
+def _int_array(values: list[Any], where: str) -> np.ndarray:
+    """JSON integers as int64, refused unless every one is a non-negative int (no bools,
+    floats or strings) below 2**62, so sums of two cannot overflow."""
+    if values and set(map(type, values)) != {int}:
+        raise FormatError(f"{where}: expected non-negative integers")
+    try:
+        out = np.array(values, dtype=np.int64)
+    except OverflowError:
+        raise FormatError(f"{where}: an integer is out of range") from None
+    if out.size and (out.min() < 0 or out.max() >= _LIMIT):
+        raise FormatError(f"{where}: an integer is negative or out of range")
+    return out
+
+
+def _v2_as_v3(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """A version 1 or 2 manifest (chunks as {id: size}, every piece spelt out with its
+    start and its chunk's id) in the version 3 form, so one validation reads them all."""
+    chunks = doc.get("chunks")
+    if not isinstance(chunks, dict):
+        raise FormatError(f"{where}: 'chunks' must be an object")
+    for cid in chunks:
+        validate_chunk_id(cid)
+    items = doc.get("items")
+    if not isinstance(items, dict):
+        raise FormatError(f"{where}: 'items' must be an object")
+    ordinal = {cid: i for i, cid in enumerate(chunks)}
+    return dict(doc, chunk_ids="".join(chunks), chunk_sizes=list(chunks.values()), planner_paths=False,
+                items={fqn: _v2_record(fqn, raw, ordinal) for fqn, raw in items.items()})
+
+
+def _v2_record(fqn: str, raw: Any, ordinal: dict[str, int]) -> list[Any]:
+    """A version 2 item record in the version 3 form; its piece starts must tile it."""
+    if not isinstance(raw, dict) or raw.get("kind") not in ("tensor", "bytes"):
+        raise FormatError(f"malformed item record for {fqn!r}")
+    shards = raw.get("shards")
+    if not isinstance(shards, list):
+        raise FormatError(f"malformed item record for {fqn!r}: 'shards' must be a list")
+    rank = len(raw["size"]) if isinstance(raw.get("size"), list) else -1
+    counts: list[int] = []
+    triples: list[Any] = []
+    boxes: list[Any] = []
+    for s in shards:
+        try:
+            offsets, sizes, nbytes, pieces = s["offsets"], s["sizes"], s["nbytes"], list(s["pieces"])
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"malformed shard record for {fqn}: {exc}") from exc
+        if raw["kind"] == "tensor" and not len(_ints(offsets, fqn)) == len(_ints(sizes, fqn)) == rank:
+            raise FormatError(f"{fqn!r}: shard rank does not match tensor rank {rank}")
+        pos = 0
+        for p in pieces:
+            start, length, cid, offset = _v2_piece(p)
+            if start != pos:
+                raise FormatError(f"{fqn}: pieces do not tile the shard (gap or overlap at byte {pos})")
+            if cid not in ordinal:
+                raise FormatError(f"{fqn!r} names bytes outside chunk {cid}")
+            triples += (length, ordinal[cid], offset)
+            pos += length
+        if pos != _ints([nbytes], fqn)[0]:
+            raise FormatError(f"{fqn}: pieces cover {pos} of {nbytes} bytes")
+        counts.append(len(pieces))
+        boxes += offsets
+        boxes += sizes
+    if raw["kind"] == "bytes":
+        if len(shards) != 1:
+            raise FormatError(f"object {fqn!r} must have exactly one shard")
+        return ["bytes", counts + triples]
+    return ["tensor", raw.get("dtype"), raw.get("size"), bool(raw.get("requires_grad", False)), boxes,
+            counts + triples]
+
+
+def _v2_piece(raw: Any) -> tuple[int, int, str, int]:
+    """A version 2 piece, [start, length, chunk id, offset in chunk], checked."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != 4:
+        raise FormatError(f"malformed piece record {raw!r}")
+    start, length, cid, offset = raw
+    for v in (start, length, offset):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise FormatError(f"malformed piece record {raw!r}: negative or non-integer")
+    return start, length, validate_chunk_id(cid), offset
+
+
 def _typed(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any,
            where: str) -> Any:
     """A top-level field of the expected JSON type (absent or null: the default)."""
@@ -543,22 +861,6 @@ def _merge(plist: list[ShardPart], fqn: str, offsets: tuple, sizes: tuple,
     return record, sum(p.written for p in plist), sum(p.reused for p in plist)
 
 
-def _ints(values: Any, where: str) -> list[int]:
-    if not isinstance(values, (list, tuple)):
-        raise FormatError(f"{where}: expected a list of integers, got {type(values).__name__}")
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise FormatError(f"{where}: expected non-negative integers, got {v!r}")
-    return list(values)
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
 def _planner_data_to_json(data: Any) -> Any:
     """DCP's default planner keeps {flat key: path tuple}; JSON keeps it as lists."""
     if data is None:
@@ -574,3 +876,61 @@ def _planner_data_from_json(data: Any) -> Any:
     if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
         return {k: tuple(v) for k, v in data.items()}
     return data
+
+
+def _planner_paths(data: Any, items: dict[str, ItemRecord]) -> dict[str, list[int]] | None:
+    """DCP's default planner data, {flat key: its path in the nested state dict} where the
+    path's elements joined by dots are the key, for exactly the manifest's items, as the
+    lengths of the path's elements per item (the keys are not written twice); None when
+    the planner data is anything else."""
+    if not isinstance(data, dict) or data.keys() != items.keys():
+        return None
+    out = {}
+    for key, path in data.items():
+        lengths = _path_lengths(key, path)
+        if lengths is None:
+            return None
+        out[key] = lengths
+    return out
+
+
+def _path_lengths(key: str, path: Any) -> list[int] | None:
+    """A path of str and int elements as lengths (an int's as ~length), if ``_path_of``
+    gives it back from them."""
+    if not isinstance(path, (tuple, list)):
+        return None
+    lengths = []
+    for e in path:
+        if type(e) is str:
+            lengths.append(len(e))
+        elif type(e) is int:
+            lengths.append(~len(str(e)))
+        else:
+            return None
+    try:
+        return lengths if _path_of(key, lengths) == tuple(path) else None
+    except FormatError:
+        return None
+
+
+def _path_of(key: str, lengths: Any) -> tuple[str | int, ...]:
+    """The path an item's element lengths cut its key into (dots between the elements)."""
+    if not isinstance(lengths, list):
+        raise FormatError(f"{key!r}: malformed planner path")
+    out: list[str | int] = []
+    pos = 0
+    for n in lengths:
+        if type(n) is not int:
+            raise FormatError(f"{key!r}: malformed planner path {lengths!r}")
+        if n >= 0:
+            out.append(key[pos:pos + n])
+        else:
+            text = key[pos:pos + ~n]
+            if not (_INT.fullmatch(text) and str(int(text)) == text):
+                raise FormatError(f"{key!r}: malformed planner path {lengths!r}")
+            out.append(int(text))
+        pos += (n if n >= 0 else ~n) + 1
+    # the lengths add up to the key, and the elements joined by dots are the key
+    if pos != len(key) + (1 if lengths else 0) or ".".join(map(str, out)) != key:
+        raise FormatError(f"{key!r}: planner path {lengths!r} does not cut the key")
+    return tuple(out)

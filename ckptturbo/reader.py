@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -145,7 +146,7 @@ class TurboReader(StorageReader):
         self._source: ChunkSource | None = None
         self._location: Location | None = None
         self._manifest: Manifest | None = None
-        self._shards: dict[MetadataIndex, ShardRecord] = {}
+        self._shards: Mapping[MetadataIndex, ShardRecord] = {}
         self._chunk_sizes: dict[str, int] = {}
         self._local_items: list[ReadItem] | None = None
 
@@ -211,8 +212,9 @@ class TurboReader(StorageReader):
                               **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
-        self._shards = dict(metadata.storage_data or {})
-        self._chunk_sizes = dict(self.read_manifest().chunks)
+        # the manifest's own tables, not copies: its storage_data looks shards up when asked
+        self._shards = metadata.storage_data if metadata.storage_data is not None else {}
+        self._chunk_sizes = self.read_manifest().chunks
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """With chained loads, tell the coordinator which chunks this rank needs (computed
@@ -305,7 +307,7 @@ class TurboReader(StorageReader):
         return self._ordinal
 
     def _chunks_of(self, items: list[ReadItem]) -> list[str]:
-        return chunks_touched((self._shard(i).pieces, *item_span(self._shard(i), i)) for i in items)
+        return chunks_touched(_spans(((i, self._shard(i)) for i in items)))
 
     def _finisher(self, planner: LoadPlanner, copier: DeviceCopier) -> Any:
         return lambda job: finish_job(job, planner, self.allow_pickle, self.url, copier)
@@ -382,6 +384,12 @@ def verify_mode(verify: bool | str) -> str:
     if verify is False:
         return "off"
     raise ValueError(f"verify must be True, False, 'storage' or 'all', got {verify!r}")
+
+
+def _spans(shards: Iterable[tuple[ReadItem, ShardRecord]]) -> Iterator[tuple[list, int, int]]:
+    """(pieces, start, end) of each (read item, its shard): each shard looked up once."""
+    for item, shard in shards:
+        yield (shard.pieces, *item_span(shard, item))
 
 
 def _stored_dtype(manifest: Manifest, item: ReadItem) -> torch.dtype | None:

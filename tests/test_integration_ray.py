@@ -21,6 +21,7 @@ pyarrow_fs = pytest.importorskip("pyarrow.fs")
 import fsspec  # noqa: E402
 
 from ckptturbo.integrations import ray_train as rt  # noqa: E402
+from ckptturbo.layout import Manifest  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS, EVERY, KEEP = 10, 2, 2
@@ -73,9 +74,9 @@ def _saves(out: str) -> list[dict]:
     return rows
 
 
-def _manifest(fs, url: str) -> dict:
+def _manifest(fs, url: str) -> Manifest:
     with fs.open(f"{url}/manifest.json", "rb") as f:
-        return json.loads(f.read())
+        return Manifest.from_bytes(f.read(), url)
 
 
 def _chunk_objects(fs, run: str) -> dict[str, int]:
@@ -106,11 +107,11 @@ def test_train_kill_restore_dedup_and_gc(s3_server, local_ray, tmp_path):
     # written by one of them (or found already stored), never by both
     for url in committed:
         manifest = _manifest(fs, url)
-        unique = sum(manifest["chunks"].values())
+        unique = sum(manifest.chunks.values())
         rows = [r for r in saves if r["url"] == url]
         assert len(rows) == 2
         assert sum(r["bytes_written"] + r["bytes_reused"] for r in rows) == unique, url
-        assert manifest["stats"]["bytes_written"] + manifest["stats"]["bytes_reused"] == unique
+        assert manifest.stats["bytes_written"] + manifest.stats["bytes_reused"] == unique
     first = [r for r in saves if r["step"] == EVERY]
     # the 2 workers' states are replicas: one copy is written (what the tensors add to it
     # is the scalars and the pickled param_groups; a second copy would double the sum)
@@ -126,7 +127,7 @@ def test_train_kill_restore_dedup_and_gc(s3_server, local_ray, tmp_path):
     after = _chunk_objects(fs, run_a)
     kept = {}
     for url in committed:
-        kept.update(_manifest(fs, url)["chunks"])
+        kept.update(_manifest(fs, url).chunks)
     assert after == kept
 
     # --- a run killed after the checkpoint of step 4, restored by Ray

@@ -62,8 +62,9 @@ def test_flipped_piece_offset_fails_load_and_verify(tmp_path):
     url, sd = _saved(tmp_path)
     path = tmp_path / "run" / "step-1" / "manifest.json"
     doc = json.loads(path.read_text())
-    piece = doc["items"]["a"]["shards"][0]["pieces"][1]
-    piece[3] += 4  # offset in chunk: verified bytes, wrong place
+    pieces = doc["items"]["a"][5]  # the shard's piece count, then (length, chunk, offset) each
+    assert pieces[0] >= 2
+    pieces[1 + 3 + 2] += 4  # the second piece's offset in its chunk: verified bytes, wrong place
     path.write_text(json.dumps(doc, separators=(",", ":"), sort_keys=True))
     out = {"a": torch.zeros(3000), "b": torch.zeros(100, dtype=torch.int64), "step": 0}
     with pytest.raises(ct.FormatError, match="manifest.json is corrupted"):

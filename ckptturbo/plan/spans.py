@@ -45,6 +45,8 @@ def box_span(sizes: Sequence[int], nbytes: int, offsets: Sequence[int],
     so a strided sub-box spans the rows between too. An empty sub-box spans nothing."""
     if any(n == 0 for n in lengths):
         return 0, 0
+    if tuple(lengths) == tuple(sizes) and not any(offsets):  # the whole box: most reads
+        return 0, nbytes
     strides = row_major_strides(sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
