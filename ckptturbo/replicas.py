@@ -55,9 +55,11 @@ def check(sent: Iterable[bytes], indices: Iterable[MetadataIndex], raise_: bool)
     pairs = [np.frombuffer(b, dtype=np.int64).reshape(-1, 2) for b in sent if b]
     if not pairs:
         return
-    distinct = np.unique(np.concatenate(pairs), axis=0)  # (key, print) pairs, once each
-    keys, counts = np.unique(distinct[:, 0], return_counts=True)
-    bad = set(keys[counts > 1].tolist())
+    both = np.concatenate(pairs)
+    order = np.argsort(both[:, 0], kind="stable")  # one sort of the keys, not of the pairs
+    keys, prints = both[order, 0], both[order, 1]
+    differ = (keys[1:] == keys[:-1]) & (prints[1:] != prints[:-1])
+    bad = set(keys[1:][differ].tolist())  # a key with two prints next to each other
     if not bad:
         return
     for idx in indices:
