@@ -80,6 +80,24 @@ def test_every_nth_save_is_persisted_and_only_those_are_durable(tmp_path, s3_ser
         assert _same(out, tiered_state(4))
 
 
+def test_overwrite_false_refuses_a_checkpoint_in_either_tier(tmp_path, s3_server):
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    with ct.Session() as s:
+        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers).wait()
+        with pytest.raises(ct.CheckpointExists):  # in memory only
+            s.save(tiered_state(2), f"{run}/step-1", storage_options=opts, tiers=tiers,
+                   overwrite=False).wait()
+        s.save(tiered_state(3), f"{run}/step-3", storage_options=opts, tiers=tiers, persist=True).wait()
+        shutil.rmtree(tiers.memory_dir)  # durable only now
+        with pytest.raises(ct.CheckpointExists, match="step-3"):
+            s.save(tiered_state(4), f"{run}/step-3", storage_options=opts, tiers=tiers,
+                   overwrite=False)
+        out = _empty()
+        s.load(out, f"{run}/step-3", storage_options=opts, tiers=tiers)
+        assert _same(out, tiered_state(3))  # left untouched
+
+
 def test_memory_tier_evicts_the_oldest_checkpoints_to_fit_its_budget(tmp_path, s3_server):
     run, opts = s3_server.url(), s3_server.storage_options
     one = 50_000 * 4 + 100 * 4  # tensor bytes of one checkpoint (the pickled step adds a little)
