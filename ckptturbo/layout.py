@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import posixpath
 import re
 import time
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import numpy as np
 
 from .chunks import chunk_id, validate_chunk_id
-from .errors import CheckpointNotFound, FormatError, StorageError
+from .errors import CheckpointExists, CheckpointNotFound, FormatError, StorageError
 from .store import Store
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: `ls` and `inspect` need none
@@ -93,13 +94,6 @@ def _ints(values: Any, where: str) -> list[int]:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise FormatError(f"{where}: expected non-negative integers, got {v!r}")
     return list(values)
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 class StoredPiece(NamedTuple):
@@ -194,7 +188,7 @@ class _Boxes:
 
     def nbytes(self, itemsize: int) -> list[int]:
         """The bytes each box holds of a dtype of ``itemsize``."""
-        return [_numel(s) * itemsize for s in self.sizes]
+        return [math.prod(s) * itemsize for s in self.sizes]
 
     def position(self, offsets: Sequence[int]) -> int | None:
         """Which box starts at ``offsets`` (None: none)."""
@@ -519,6 +513,12 @@ class Location:
     def chunk_path(self, cid: str) -> str:
         return self.run.chunk_path(cid)
 
+    def refuse_committed(self) -> None:
+        """overwrite=False: raise CheckpointExists when a committed checkpoint is here."""
+        if self.store.exists(self.manifest_path):
+            raise CheckpointExists(f"Checkpoint already exists at {self.url!r} and overwrite=False "
+                                   "(a committed ckptturbo checkpoint); it was left untouched")
+
     def read_manifest(self) -> Manifest:
         try:
             info = self.store.info(self.manifest_path)
@@ -681,7 +681,7 @@ def _tensor_shape(fqn: str, name: Any, raw_size: Any, grad: Any,
     size = tuple(_ints(raw_size, fqn))
     if type(grad) is not bool:
         raise FormatError(f"{fqn!r}: requires_grad must be true or false")
-    if _numel(size) * dtype.itemsize >= _LIMIT:
+    if math.prod(size) * dtype.itemsize >= _LIMIT:
         raise FormatError(f"{fqn!r}: size {size} is too large")
     boxes = _Boxes(len(size), flat, fqn)
     boxes.check_fits(size, fqn)

@@ -170,10 +170,12 @@ def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryv
              write: Callable[[str, memoryview], None], what: str) -> int:
     """Carry out ``copies`` (the same list on every rank): this rank sends what it is the
     source of (``read_into`` fills a buffer with a chunk) and receives, verifies and writes
-    what it is the target of. Returns the bytes received here. Every round posts all its sends and receives before waiting on any, so
-    no order of arrival can deadlock; the chunks a round sends are read (and the reads
-    agreed on) before anything is posted, so a failed read fails every rank at once instead
-    of leaving a receiver waiting."""
+    what it is the target of. Returns the bytes received here.
+
+    Every round posts all its sends and receives before waiting on any, so no order of
+    arrival can deadlock; the chunks a round sends are read (and the reads agreed on) before
+    anything is posted, so a failed read fails every rank at once instead of leaving a
+    receiver waiting."""
     received = 0
     for batch in rounds(copies):
         outgoing: list[tuple[int, Copy, torch.Tensor]] = []
@@ -220,11 +222,11 @@ def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, 
     write(copy.cid, view)
 
 
-def holdings(nodes: Nodes, held_here: Callable[[], set[str]] | None, ids: list[str]) -> dict[str, set[str]]:
+def holdings(nodes: Nodes, held_here: Callable[[], set[str]], ids: list[str]) -> dict[str, set[str]]:
     """Which of ``ids`` each node's memory tier holds: node leaders report theirs (a bitmap
     over ``ids``), every rank gets every node's."""
     mine = None
-    if nodes.node_leader and held_here is not None:
+    if nodes.node_leader:
         have = held_here()
         mine = np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
     out: dict[str, set[str]] = {}

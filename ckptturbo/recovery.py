@@ -75,11 +75,11 @@ class TieredChunkSource(ChunkSource):
     def holder(self, cid: str) -> Location:
         return self.memory if cid in self.in_memory and self.memory is not None else self.durable
 
-    def fill_from_peers(self, nodes: Nodes, cids: list[str]) -> None:
+    def fill_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
         """Copy into this node's memory tier the chunks its ranks need (this rank's:
-        ``cids``) that it lacks and another node's memory holds (collective)."""
+        ``cids``) that it lacks and another node's memory holds (collective). ``ordinal``:
+        each chunk's position in the manifest's chunk table."""
         ids = list(self.manifest.chunks)
-        ordinal = {cid: i for i, cid in enumerate(ids)}
         mine = np.array(sorted(ordinal[c] for c in cids if c not in self.in_memory), np.int32)
         lacking: dict[str, set[str]] = {}
         for rank, raw in enumerate(gather(nodes.group, mine.tobytes())):
@@ -186,7 +186,7 @@ class TieredReader(TurboReader):
     def prepare_local_plan(self, plan: Any) -> Any:
         needs = self._chunks_of(plan.items)
         if self.peers is not None:
-            self.chunks.fill_from_peers(self.peers, needs)
+            self.chunks.fill_from_peers(self.peers, needs, self._chunk_ordinals())
         self.chunks.require(needs)
         return super().prepare_local_plan(plan)
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import eviction, peers, persist
 from .agreement import agree
-from .errors import CheckpointExists, CkptTurboError
+from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
 from .layout import MANIFEST_NAME, Location, Manifest
 from .peers import Nodes, Replicated
@@ -94,10 +94,7 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     run_url, name = split_checkpoint(url)
     memory_url = tiers.memory_url(url)
     if writer_options.get("overwrite") is False:  # the memory tier's writer checks its own
-        durable = Location(url, storage_options, session=session)
-        if durable.store.exists(durable.manifest_path):
-            raise CheckpointExists(f"Checkpoint already exists at {url!r} and overwrite=False "
-                                   "(a committed ckptturbo checkpoint); it was left untouched")
+        Location(url, storage_options, session=session).refuse_committed()
     count = session.count_save(("tiers", run_url))
     handle = TieredSaveHandle(url, tiers.persists(count, persist))
     handle.sequence = count

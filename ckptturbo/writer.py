@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import catalog, replicas, save_plan
 from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
-from .errors import CheckpointExists, CkptTurboError, ReplicaMismatchError
+from .errors import CkptTurboError, ReplicaMismatchError
 from .layout import Location, build_manifest
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
@@ -166,12 +166,8 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     def _refuse_existing(self) -> None:
         """overwrite=False: a committed checkpoint at the URL stops the save here."""
-        if self.overwrite:
-            return
-        location = self.location
-        if location.store.exists(location.manifest_path):
-            raise CheckpointExists(f"Checkpoint already exists at {self.url!r} and overwrite=False "
-                                   "(a committed ckptturbo checkpoint); it was left untouched")
+        if not self.overwrite:
+            self.location.refuse_committed()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # As FileSystemWriter, before any planning result is exchanged; one rank asks
