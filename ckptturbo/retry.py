@@ -76,7 +76,8 @@ _BUSY_CODES = frozenset({
     "ThrottledException", "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
     "RequestLimitExceeded", "BandwidthLimitExceeded", "ProvisionedThroughputExceededException",
     "PriorRequestNotComplete", "TransactionInProgressException", "OperationAborted",
-    "XAmzContentSHA256Mismatch"})
+    # a body that arrived other than it was sent (its SHA-256 or CRC32 disagrees): send again
+    "XAmzContentSHA256Mismatch", "BadDigest"})
 _NO_ANSWER_CODES = frozenset({"RequestTimeout", "RequestTimeoutException"})
 _AUTH_CODES = frozenset({
     "AccessDenied", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId",

@@ -189,20 +189,40 @@ def test_memoryview_bodies_are_sent_whole_and_exact(s3_server, validation):
         assert store.get(path, 5, 9) == bytes(body)[5:9], name
 
 
-def test_payload_is_signed_over_plain_http_only():
-    """UNSIGNED-PAYLOAD only where TLS protects the body; the user's settings win."""
-    from ckptturbo.store import _s3_config
+def test_payload_is_unsigned_and_plain_http_puts_carry_a_crc32(s3_server):
+    """No SHA-256 of the body (UNSIGNED-PAYLOAD, TLS or not); over plain HTTP each single
+    PUT carries a CRC32 instead; the user's settings win."""
+    from ckptturbo.store import Store, _s3_config
 
     def signing(options):
-        return _s3_config(options, 8).get("s3", {}).get("payload_signing_enabled", True)
+        return _s3_config(options, 8)["s3"]["payload_signing_enabled"]
 
     assert signing({}) is False  # AWS itself: https
     assert signing({"client_kwargs": {"endpoint_url": "https://minio.example:9000"}}) is False
-    assert signing({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}) is True
-    assert signing({"endpoint_url": "http://127.0.0.1:9000"}) is True
+    assert signing({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}) is False
     assert signing({"config_kwargs": {"s3": {"payload_signing_enabled": True}}}) is True
     assert _s3_config({}, 32)["max_pool_connections"] == 32
     assert _s3_config({"config_kwargs": {"max_pool_connections": 4}}, 32)["max_pool_connections"] == 4
+    assert Store(s3_server.url(), s3_server.storage_options)._crc_puts is True
+    signed = {**s3_server.storage_options, "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
+    assert Store(s3_server.url(), signed)._crc_puts is False
+    tls = {**s3_server.storage_options, "client_kwargs": {"endpoint_url": "https://127.0.0.1:1"}}
+    assert Store(s3_server.url(), tls)._crc_puts is False
+
+
+def test_a_body_damaged_on_its_way_up_is_refused_and_sent_again(s3_server):
+    """The proxy inverts one byte of three chunk uploads: the store refuses each (its CRC32
+    disagrees), the retry sends it again, and what lands is what was saved."""
+    sd = _state(6)
+    url = f"{s3_server.url('flip-upload')}/step-1"
+    faults = Faults(flip_upload=1.0, methods=("PUT",), path_contains="/chunks/", limit=3)
+    with FaultProxy(s3_server.endpoint, faults=faults) as proxy:
+        ct.save(sd, url, storage_options=proxy.storage_options(s3_server.storage_options),
+                **CHUNKING).wait(timeout=120)
+        assert proxy.stats().faults == {"flip_upload": 3}
+    loaded = _load(sd, url, s3_server.storage_options)
+    for name, tensor in sd.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def test_large_reads_go_out_as_concurrent_ranged_parts(s3_server):

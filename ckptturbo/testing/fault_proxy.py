@@ -35,6 +35,9 @@ to at most 1):
 * ``truncate``: the response body is cut short and the connection closed.
 * ``flip_byte``: one byte of the response body is inverted (a client that validates
   response checksums, as recent botocore does by default, reports a checksum mismatch).
+* ``flip_upload``: one byte of the request body is inverted on its way to the store
+  (a store that checks the body's signature or checksum refuses it; one that does not
+  keeps the damaged object).
 
 Response faults apply only to responses with a body; the offset where a body fault acts
 is drawn uniformly in the body (in the first chunk of a chunked body). ``Faults.methods``
@@ -75,7 +78,7 @@ from .proxy_conn import Connection
 log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("error_500", "slow_down", "reset", "black_hole", "stall_upload",
-               "stall_download", "truncate", "flip_byte")
+               "stall_download", "truncate", "flip_byte", "flip_upload")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class Faults:
     stall_download: float = 0.0
     truncate: float = 0.0
     flip_byte: float = 0.0
+    flip_upload: float = 0.0
     methods: tuple[str, ...] = ()  # only requests with one of these methods (empty: all)
     path_contains: str = ""  # only requests whose path contains this
     limit: int = 0  # at most this many faults in all, then requests pass (0: no limit)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .fault_proxy import Decision, FaultProxy
 
 RESPONSE_FAULTS = frozenset({"stall_download", "truncate", "flip_byte"})
+REQUEST_BODY_FAULTS = frozenset({"stall_upload", "flip_upload"})
 
 _POLL_S = 0.25  # how often a silent (faulted) connection looks at the proxy and its client
 _FINISH_S = 30.0  # how long a closing connection waits for its last answers to go out
@@ -170,15 +171,19 @@ class Connection:
         self._pending.put(_Pending(method, target, decision))
         self.to_server.send(head.raw)
         size = head.content_length
-        stop_at = None
-        if fault == "stall_upload" and (head.is_chunked or size):
-            stop_at = _fault_offset(reader, size, decision)
-            if stop_at is not None:
-                self.proxy.record(method, target, fault, stop_at)
+        stop_at = flip_at = None
+        if fault in REQUEST_BODY_FAULTS and (head.is_chunked or size):
+            offset = _fault_offset(reader, size, decision)
+            if offset is not None:
+                self.proxy.record(method, target, fault, offset)
+                if fault == "stall_upload":
+                    stop_at = offset
+                else:
+                    flip_at = offset
         if head.is_chunked:
-            complete = copy_chunked(reader, self.to_server, stop_at=stop_at)
+            complete = copy_chunked(reader, self.to_server, stop_at=stop_at, flip_at=flip_at)
         else:
-            complete = copy_exact(reader, self.to_server, size or 0, stop_at=stop_at)
+            complete = copy_exact(reader, self.to_server, size or 0, stop_at=stop_at, flip_at=flip_at)
         if not complete:
             self._hold(self.client, discard=False)
             return _ABORT
