@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import os
 import uuid
 import zlib
@@ -372,6 +373,10 @@ class Store:
 def _s3_config(options: dict[str, Any], workers: int) -> dict[str, Any]:
     """botocore's config for a Store: ours (DEFAULT_S3_CONFIG) under the user's.
 
+    Deep copies: botocore writes into the nested dicts it is given (``retries`` gains a
+    ``mode``), which changed the options of every later Store and so fsspec's cache key,
+    and the second Store of a process made a second filesystem and S3 client.
+
     A connection per I/O thread (botocore's pool holds 10, and a thread beyond it waits).
     The payload is not SHA-256-signed (``UNSIGNED-PAYLOAD``, as AWS's CRT client sends):
     the hash cost 0.5 CPU-s per GiB, on s3fs's one event-loop thread. Over TLS nothing
@@ -381,9 +386,9 @@ def _s3_config(options: dict[str, Any], workers: int) -> dict[str, Any]:
     again instead of committed. (Multipart parts, for chunks above ``multipart_threshold``,
     go through s3fs without one: a body damaged there is found by BLAKE3 when read.)
     """
-    config = dict(DEFAULT_S3_CONFIG, max_pool_connections=max(10, workers))
-    config["s3"] = {"payload_signing_enabled": False}
-    user = dict(options.get("config_kwargs") or {})
+    config = copy.deepcopy(DEFAULT_S3_CONFIG)
+    config.update(max_pool_connections=max(10, workers), s3={"payload_signing_enabled": False})
+    user = copy.deepcopy(options.get("config_kwargs") or {})
     if "s3" in user:
         user["s3"] = {**config["s3"], **user["s3"]}
     config.update(user)

@@ -210,6 +210,17 @@ def test_payload_is_unsigned_and_plain_http_puts_carry_a_crc32(s3_server):
     assert Store(s3_server.url(), tls)._crc_puts is False
 
 
+def test_stores_of_one_endpoint_share_one_client(s3_server):
+    """A second Store with the same options reuses the first's filesystem and S3 client,
+    also after the client was made (botocore writes into the config it is given)."""
+    from ckptturbo.store import Store
+
+    first = Store(s3_server.url(), s3_server.storage_options)
+    first.put(first.join(first.root, "x"), b"made the client")
+    second = Store(s3_server.url(), s3_server.storage_options)
+    assert second.fs is first.fs
+
+
 def test_a_body_damaged_on_its_way_up_is_refused_and_sent_again(s3_server):
     """The proxy inverts one byte of three chunk uploads: the store refuses each (its CRC32
     disagrees), the retry sends it again, and what lands is what was saved."""
