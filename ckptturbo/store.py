@@ -252,13 +252,23 @@ class Store:
 
     # --- reads
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes [start, end) of an object (all of it by default)."""
+        """Bytes [start, end) of an object (all of it by default), fewer where the object
+        ends first (none past its end), as a file's read would return."""
         if self.is_local:
             return self.policy.call("read", path, lambda: self._get_local(path, start, end))
         # max_concurrency=1: s3fs would otherwise HEAD every whole-object read first (and
         # LIST after a 404) to decide whether to split it; ours are small or ranged
         one = {"max_concurrency": 1} if self.protocol in ("s3", "s3a") else {}
-        return self.policy.call("read", path, lambda: self._request("cat_file", path, start=start, end=end, **one))
+
+        def read() -> bytes:
+            try:
+                return self._request("cat_file", path, start=start, end=end, **one)
+            except OSError as exc:
+                if start is not None and is_past_the_end(exc):
+                    return b""
+                raise
+
+        return self.policy.call("read", path, read)
 
     def _get_local(self, path: str, start: int | None, end: int | None) -> bytes:
         with open(path, "rb") as f:

@@ -123,6 +123,32 @@ def test_manifest_corrupted_once_in_transit_is_read_again(s3_server):
         assert torch.equal(loaded[name], tensor), name
 
 
+def test_manifest_is_read_in_one_bounded_request(s3_server, monkeypatch):
+    """One GET per manifest read, no HEAD first; a manifest over the limit, or an empty
+    one, is refused as FormatError naming it, not read whole or taken for a storage error."""
+    from ckptturbo import layout
+    from ckptturbo.store import Store
+
+    run = s3_server.url("manifest-reads")
+    sd = _state(7)
+    ct.save(sd, f"{run}/step-1", storage_options=s3_server.storage_options, **CHUNKING).wait(
+        timeout=120)
+    store = Store(run, s3_server.storage_options)
+    requests = []
+    store.fs.s3.meta.events.register(
+        "before-send.s3", lambda request, **_: requests.append((request.method, request.url)))
+    _load(sd, f"{run}/step-1", s3_server.storage_options)
+    assert [m for m, url in requests if "manifest.json" in url] == ["GET"]
+    size = len(store.get(store.join(store.root, "step-1", "manifest.json")))
+    monkeypatch.setattr(layout, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(ct.FormatError, match=f"step-1/manifest.json is over {size - 1} bytes"):
+        _load(sd, f"{run}/step-1", s3_server.storage_options)
+    monkeypatch.undo()
+    store.put(store.join(store.root, "step-1", "manifest.json"), b"")
+    with pytest.raises(ct.FormatError, match="step-1/manifest.json"):
+        _load(sd, f"{run}/step-1", s3_server.storage_options)
+
+
 @pytest.mark.parametrize("kind", ["stall_upload", "stall_download"])
 def test_partition_in_the_middle_of_a_body_fails_within_the_deadline(s3_server, short_deadline,
                                                                      kind):
