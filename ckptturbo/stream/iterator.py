@@ -112,7 +112,8 @@ class SafetensorsStream:
             else:
                 self.files = self._describe(spec)
             self._wanted = self._select(opts.names)
-            self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams)
+            self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams,
+                                    whole_stream=prof.lookahead is None)
             if self.device.type == "cpu" and not self._dist and not opts.views:
                 self._scatter = Scatter([pair for ts, rs in zip(self._wanted, self._reads)
                                          for pair in covering(ts, rs)])
