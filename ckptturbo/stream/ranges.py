@@ -26,7 +26,9 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
     the same on every load with the same settings. The stream's first reads ramp up from
     ``RAMP_START``: all ``streams`` requests start together and share the link, so the
     first tensor arrives after ~``streams`` times its read's size; small first reads let
-    the consumer start early, and the grid is joined after a few of them.
+    the consumer start early, and the grid goes on from where they end. A sliver under a
+    quarter step left at the end of a span joins the read before it (within ``piece``):
+    a request of its own would cost a round trip for almost nothing.
 
     The step spreads the bytes that can be in flight at once over the ``streams``
     requests (:func:`grid_step`): with ``whole_stream`` (no file window: reads run ahead
@@ -42,20 +44,26 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
     total = sum(b - a for file_spans in spans for a, b in file_spans)
     for fi, (f, file_spans) in enumerate(zip(files, spans)):
         step = grid_step(total if whole_stream else sum(b - a for a, b in file_spans), piece, streams)
+        origin = probe  # the grid's first point; in the first file, where the ramp ends
         reads = []
         for a, b in file_spans:
             pos = a
             while pos < b:
-                cut = probe if pos < probe else probe + ((pos - probe) // step + 1) * step
                 if ramp is None:
                     ramp = _ramp(max(pos, probe), step)
+                    origin = ramp[-1] if ramp else probe
                 if index and not reads:
                     ramp = []  # a later file: the stream is already under way
                 while ramp and ramp[0] <= pos:
                     ramp.pop(0)
-                if ramp and pos >= probe:
-                    cut = min(cut, ramp[0])
-                end = min(b, cut)
+                if pos < probe:
+                    end = min(b, probe)
+                elif ramp:
+                    end = min(b, ramp[0])
+                else:
+                    end = min(b, origin + ((pos - origin) // step + 1) * step)
+                    if b - end < step // 4 and b - pos <= piece:
+                        end = b  # a sliver left at the end of a span joins this read
                 reads.append(Read(index, fi, f.entry.path, pos, end))
                 index += 1
                 pos = end
