@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import fsspec
 
@@ -121,9 +121,14 @@ class ByteSource:
         return out
 
 
-def list_files(source: ByteSource, spec: str | Sequence[str],
-               validate: bool = False) -> tuple[list[FileEntry], dict[str, str] | None]:
-    """The model's files in stream order, and its index's weight map if it has one."""
+def list_files(source: ByteSource, spec: str | Sequence[str], validate: bool = False,
+               early: Callable[[list[FileEntry]], None] | None = None,
+               ) -> tuple[list[FileEntry], dict[str, str] | None]:
+    """The model's files in stream order, and its index's weight map if it has one.
+
+    ``early`` is called with the directory's ``.safetensors`` files before its index is
+    read, so the caller can start work on them (their header GETs) during that round
+    trip; the index may then select only some of them."""
     key = cache_key("listing", source.endpoint, spec if isinstance(spec, str) else list(spec))
     if source.cache is not None and not validate:
         hit = source.cache.get_json(key)
@@ -134,7 +139,7 @@ def list_files(source: ByteSource, spec: str | Sequence[str],
             source._count(cache_hits=1)
             return entries, hit["weight_map"]
     if isinstance(spec, str):
-        entries, weight_map = _list_location(source.store, spec)
+        entries, weight_map = _list_location(source.store, spec, early)
     else:
         entries, weight_map = _list_urls(source.store, list(spec)), None
     if source.cache is not None:
@@ -158,7 +163,8 @@ def _list_urls(store: Store, urls: list[str]) -> list[FileEntry]:
     return [_entry(i) for i in store.map(store.info, paths)]
 
 
-def _list_location(store: Store, url: str) -> tuple[list[FileEntry], dict[str, str] | None]:
+def _list_location(store: Store, url: str, early: Callable[[list[FileEntry]], None] | None = None,
+                   ) -> tuple[list[FileEntry], dict[str, str] | None]:
     refuse_pickle_name(url)
     if url.rstrip("/").endswith(".safetensors"):
         return [_entry(store.info(store.root))], None
@@ -173,6 +179,8 @@ def _list_location(store: Store, url: str) -> tuple[list[FileEntry], dict[str, s
         if direct[index_name].size > MAX_INDEX_SIZE:
             raise FormatError(f"{store.url_of(direct[index_name].path)}: {direct[index_name].size} "
                               f"bytes is too large for an index (limit {MAX_INDEX_SIZE})")
+        if early is not None:
+            early([_entry(direct[n]) for n in sorted(direct) if n.endswith(".safetensors")])
         weight_map = _read_index(store, direct[index_name].path)
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if n not in direct]
