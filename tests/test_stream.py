@@ -202,6 +202,22 @@ def test_index_leaves_out_a_file_whose_header_was_fetched_early_s3(s3_server, tm
     assert stream.budget.held == 0
 
 
+def test_large_reads_go_out_as_concurrent_part_gets_s3(s3_server, tmp_path, monkeypatch):
+    # each connection to an object store is capped, so a range of several parts is fetched
+    # as that many GETs at once, their bodies copied straight into the tensors
+    monkeypatch.setattr(Store, "read_part_size", 128 << 10)
+    want = sharded_model(str(tmp_path / "m"), size=600_000)
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    CountingS3.reset()
+    stream = stream_safetensors(counting(url), storage_options=s3_server.storage_options,
+                                chunk_size=512 << 10, streams=2)
+    reads = [r for rs in stream._reads for r in rs]
+    assert_same(dict(stream), want)
+    sizes = sum(os.path.getsize(p) for p in (tmp_path / "m").glob("*.safetensors"))
+    assert stream.stats["bytes_fetched"] == sizes  # the parts tile each range: nothing twice
+    assert CountingS3.calls["get_object"] > len(reads) + 1  # ranges of 512 KiB in 4 parts
+
+
 def test_sharded_round_trip_s3(s3_server, tmp_path):
     want = sharded_model(str(tmp_path / "m"), size=300_000)
     url = upload_dir(s3_server, str(tmp_path / "m"))

@@ -98,7 +98,7 @@ class SafetensorsStream:
         self.budget = MemoryBudget(prof.memory_limit)
         store = open_store(first, opts.storage_options, prof.streams)
         cache = DiskCache(opts.cache_dir, opts.cache_max_bytes) if opts.cache_dir else None
-        self.source = ByteSource(store, cache)
+        self.source = ByteSource(store, cache, part_helpers=prof.streams)
         self.stats: dict[str, Any] = {"memory_limit": prof.memory_limit, "streams": prof.streams,
                                       "chunk_size": self.piece, "lookahead": prof.lookahead}
         self.files: list[StreamFile] = []
@@ -197,7 +197,8 @@ class SafetensorsStream:
             self._waiter = feed
             feed.start()
             return feed
-        prefetcher = Prefetcher(flat, self.source.fetch, self.source.store.submit, self.budget,
+        fetch = self.source.fetch if self._scatter is None else self.source.fetch_parts
+        prefetcher = Prefetcher(flat, fetch, self.source.store.submit, self.budget,
                                 streams=self.profile.streams, lookahead=self.profile.lookahead,
                                 deliver=None if self._scatter is None else self._scatter.deliver)
         self._waiter = prefetcher
@@ -299,6 +300,7 @@ class SafetensorsStream:
         self._waiter = None
         if self._scatter is not None:
             self._scatter.close()
+        self.source.close()
         self.stats.update(self.source.counters(), peak_bytes_held=self.budget.peak,
                           files=len(self.files))
 
