@@ -72,7 +72,7 @@ class Parts:
 class ByteSource:
     """Reads byte ranges of listed files through the cache, then the store; counts both.
 
-    :meth:`fetch_parts` reads a range larger than the store's ``read_part_size`` from an
+    :meth:`fetch_parts` reads a range of about two ``read_part_size`` parts or more from an
     object store as concurrent part GETs, as :meth:`Store.get_into` and AWS's CRT client
     do: each connection to an object store is capped (tens of MB/s on S3), so a 16 MiB
     range on one connection takes twice as long as on two. The parts after the first go
