@@ -110,12 +110,10 @@ def prepare(method: str, spec: dict[str, Any]) -> Any:
 
 
 def load(method: str, spec: dict[str, Any], peer: Any) -> dict[str, Any]:
-    """Load the model once, one way: seconds, bytes, peak memory above the baseline, CPU."""
-    import fsspec
-    from safetensors.torch import load as st_load
+    """Load the model once, one way: seconds, bytes, peak memory above the baseline, CPU.
 
-    from ckptturbo.stream import safe_open, stream_safetensors
-
+    Imports are per method: Run:ai's interpreter (``--runai-python``) need not have
+    ckptturbo's dependencies."""
     options = spec["storage_options"]
     urls, local = spec["urls"], spec["local_files"]
     with open("/proc/self/clear_refs", "w") as f:
@@ -125,6 +123,8 @@ def load(method: str, spec: dict[str, Any], peer: Any) -> dict[str, Any]:
     began = time.perf_counter()
     nbytes, extra = 0, {}
     if method in ("ckptturbo", "ckptturbo no proxy", "local ckptturbo"):
+        from ckptturbo.stream import stream_safetensors
+
         target, opts = {"ckptturbo": (spec["url"], options),
                         "ckptturbo no proxy": (spec["url"], spec["direct_options"]),
                         "local ckptturbo": (os.path.dirname(local[0]), None)}[method]
@@ -137,12 +137,17 @@ def load(method: str, spec: dict[str, Any], peer: Any) -> dict[str, Any]:
         extra = {"peak_bytes_held": stream.stats["peak_bytes_held"], "first_tensor_s": first,
                  "requests": stream.stats["requests"], "setup_s": stream.stats["setup_seconds"]}
     elif method == "safe_open":
+        from ckptturbo.stream import safe_open
+
         for url in urls:
             with safe_open(url, storage_options=options, streams=spec["streams"],
                            memory_limit=spec["memory_limit"]) as f:
                 for k in f.keys():
                     nbytes += f.get_tensor(k).nbytes
     elif method in ("naive s3fs", "s3fs cat"):
+        import fsspec
+        from safetensors.torch import load as st_load
+
         fs = fsspec.filesystem("s3", **options)
         for url in urls:
             if method == "naive s3fs":
@@ -164,6 +169,8 @@ def load(method: str, spec: dict[str, Any], peer: Any) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported in the table
             return {"unavailable": f"{type(exc).__name__}: {str(exc)[:200]}"}
     elif method == "local safetensors":
+        from safetensors.torch import load as st_load
+
         for path in local:  # read + deserialise: load_file would only mmap, touching nothing
             with open(path, "rb") as f:
                 tensors = st_load(f.read())

@@ -188,6 +188,36 @@ def test_index_naming_a_missing_tensor_is_an_error(tmp_path):
         stream_safetensors(str(tmp_path / "m"))
 
 
+def test_index_leaves_out_a_file_whose_header_was_fetched_early_s3(s3_server, tmp_path):
+    # header GETs start while the index is read: one for a file the index does not name
+    # (here not even valid) is dropped, its kept bytes returned to the budget
+    want = sharded_model(str(tmp_path / "m"), size=300_000)
+    (tmp_path / "m" / "consolidated.safetensors").write_bytes(b"\xff" * 4096)
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    stream = stream_safetensors(url, storage_options=s3_server.storage_options,
+                                chunk_size=256 << 10, streams=4)
+    assert [f.entry.path.rsplit("/", 1)[-1] for f in stream.files] == [
+        f"model-{s:05d}-of-00003.safetensors" for s in (1, 2, 3)]
+    assert_same(dict(stream), want)
+    assert stream.budget.held == 0
+
+
+def test_large_reads_go_out_as_concurrent_part_gets_s3(s3_server, tmp_path, monkeypatch):
+    # each connection to an object store is capped, so a range of several parts is fetched
+    # as that many GETs at once, their bodies copied straight into the tensors
+    monkeypatch.setattr(Store, "read_part_size", 128 << 10)
+    want = sharded_model(str(tmp_path / "m"), size=600_000)
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    CountingS3.reset()
+    stream = stream_safetensors(counting(url), storage_options=s3_server.storage_options,
+                                chunk_size=512 << 10, streams=2)
+    reads = [r for rs in stream._reads for r in rs]
+    assert_same(dict(stream), want)
+    sizes = sum(os.path.getsize(p) for p in (tmp_path / "m").glob("*.safetensors"))
+    assert stream.stats["bytes_fetched"] == sizes  # the parts tile each range: nothing twice
+    assert CountingS3.calls["get_object"] > len(reads) + 1  # ranges of 512 KiB in 4 parts
+
+
 def test_sharded_round_trip_s3(s3_server, tmp_path):
     want = sharded_model(str(tmp_path / "m"), size=300_000)
     url = upload_dir(s3_server, str(tmp_path / "m"))
@@ -261,6 +291,23 @@ def test_first_reads_ramp_up_then_join_the_grid(tmp_path):
     assert second[1].size == 8 * MiB  # a later file: the header GET, then the grid at once
     assert [r.end for r in first[:-1]] == [r.start for r in first[1:]]
     stream.close()
+
+
+def test_reads_spread_the_whole_stream_over_the_streams(tmp_path):
+    # 4 files of 16 MiB, 4 streams: without a file window reads run ahead into later
+    # files, so ranges are up to 16 MiB (a quarter of the stream), not a quarter of each
+    # file: a later file is its header GET's 1 MiB and one read of the rest; with
+    # lookahead=1 only one file is in flight and each file is cut in 4 MiB ranges
+    g = torch.Generator().manual_seed(4)
+    for i in range(4):
+        save_file({f"f{i}.t{j}": torch.randn(MiB, generator=g) for j in range(4)},
+                  str(tmp_path / f"s{i}.safetensors"))
+    stream = stream_safetensors(str(tmp_path), chunk_size=32 * MiB, streams=4)
+    assert all(len(reads) == 2 and reads[1].size > 14 * MiB for reads in stream._reads[1:])
+    stream.close()
+    windowed = stream_safetensors(str(tmp_path), chunk_size=32 * MiB, streams=4, lookahead=1)
+    assert max(r.size for reads in windowed._reads for r in reads) == 4 * MiB
+    windowed.close()
 
 
 @pytest.mark.parametrize("chunk", [64 << 10, 4 * MiB])

@@ -22,6 +22,7 @@ import torch
 from ..prefetch import MemoryBudget, Read
 from ..staging import DeviceCopier
 from .format import TensorInfo
+from .source import Parts
 
 MiB = 1 << 20
 STAGING_PIECE = 16 * MiB  # at most; a stream with smaller reads stages in read-sized pieces
@@ -75,12 +76,20 @@ class Scatter:
                 if lo < hi:
                     self._pieces.setdefault(r.index, []).append((slot, lo - t.start, lo - r.start, hi - lo))
 
-    def deliver(self, read: Read, data: bytes | bytearray | memoryview) -> bytes:
-        """Copy ``read``'s bytes into their destinations (on the I/O thread); keep none."""
-        src = np.frombuffer(data, dtype=np.uint8)
+    def deliver(self, read: Read, data: bytes | bytearray | memoryview | Parts) -> bytes:
+        """Copy ``read``'s bytes (one buffer, or its part GETs' bodies) into their
+        destinations, on the I/O thread; keep none."""
+        bodies = data.bodies if isinstance(data, Parts) else [data]
+        srcs, at = [], 0
+        for body in bodies:
+            srcs.append((at, np.frombuffer(body, dtype=np.uint8)))
+            at += len(body)
         for slot, dst_at, src_at, n in self._pieces.pop(read.index, ()):
             dst = self._slot(slot)
-            dst[dst_at:dst_at + n] = src[src_at:src_at + n]  # numpy copies without the GIL
+            for base, src in srcs:  # the bodies overlapping [src_at, src_at + n)
+                lo, hi = max(src_at, base), min(src_at + n, base + len(src))
+                if lo < hi:  # numpy copies without the GIL
+                    dst[dst_at + lo - src_at:dst_at + hi - src_at] = src[lo - base:hi - base]
         return b""
 
     def _slot(self, slot: int) -> np.ndarray:

@@ -32,7 +32,8 @@ import logging
 import time
 import warnings
 from dataclasses import replace
-from typing import Any, Iterator, Protocol, Sequence
+from concurrent.futures import Future
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -45,7 +46,7 @@ from .format import TensorInfo, torch_dtype
 from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
 from .options import StreamOptions
 from .ranges import cut_reads
-from .source import ByteSource, list_files, open_store
+from .source import ByteSource, FileEntry, list_files, open_store
 
 log = logging.getLogger(__name__)
 # views=True wraps immutable ``bytes`` without a copy; they are documented read-only
@@ -97,7 +98,7 @@ class SafetensorsStream:
         self.budget = MemoryBudget(prof.memory_limit)
         store = open_store(first, opts.storage_options, prof.streams)
         cache = DiskCache(opts.cache_dir, opts.cache_max_bytes) if opts.cache_dir else None
-        self.source = ByteSource(store, cache)
+        self.source = ByteSource(store, cache, part_helpers=prof.streams)
         self.stats: dict[str, Any] = {"memory_limit": prof.memory_limit, "streams": prof.streams,
                                       "chunk_size": self.piece, "lookahead": prof.lookahead}
         self.files: list[StreamFile] = []
@@ -112,7 +113,8 @@ class SafetensorsStream:
             else:
                 self.files = self._describe(spec)
             self._wanted = self._select(opts.names)
-            self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams)
+            self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams,
+                                    whole_stream=prof.lookahead is None)
             if self.device.type == "cpu" and not self._dist and not opts.views:
                 self._scatter = Scatter([pair for ts, rs in zip(self._wanted, self._reads)
                                          for pair in covering(ts, rs)])
@@ -123,10 +125,24 @@ class SafetensorsStream:
         self.stats["setup_seconds"] = time.monotonic() - began
 
     def _describe(self, spec: str | Sequence[str]) -> list[StreamFile]:
-        entries, weight_map = list_files(self.source, spec, self.options.cache_validate)
-        budget, max_header = self.budget, self.options.max_header_size
-        files = self.source.store.map(
-            lambda e: fetch_header(self.source, e, self.probe, max_header, budget), entries)
+        """The files with their headers. A directory's header GETs start while its index
+        is read, not after: one round trip less before data flows (20 ms of a 0.6 s
+        load through the benchmark's proxy); those of files the index leaves out are
+        dropped."""
+        store, budget, max_header = self.source.store, self.budget, self.options.max_header_size
+        started: dict[str, Future[StreamFile]] = {}
+
+        def header(entry: FileEntry) -> StreamFile:
+            return fetch_header(self.source, entry, self.probe, max_header, budget)
+
+        def early(entries: list[FileEntry]) -> None:
+            started.update((e.path, store.submit(header, e)) for e in entries)
+
+        try:
+            entries, weight_map = list_files(self.source, spec, self.options.cache_validate, early)
+            files = _gather([started.pop(e.path, None) or store.submit(header, e) for e in entries])
+        finally:
+            _drop_unused(started.values(), budget)
         _check_weight_map(files, weight_map, self.source)
         return files
 
@@ -181,7 +197,8 @@ class SafetensorsStream:
             self._waiter = feed
             feed.start()
             return feed
-        prefetcher = Prefetcher(flat, self.source.fetch, self.source.store.submit, self.budget,
+        fetch = self.source.fetch if self._scatter is None else self.source.fetch_parts
+        prefetcher = Prefetcher(flat, fetch, self.source.store.submit, self.budget,
                                 streams=self.profile.streams, lookahead=self.profile.lookahead,
                                 deliver=None if self._scatter is None else self._scatter.deliver)
         self._waiter = prefetcher
@@ -283,6 +300,7 @@ class SafetensorsStream:
         self._waiter = None
         if self._scatter is not None:
             self._scatter.close()
+        self.source.close()
         self.stats.update(self.source.counters(), peak_bytes_held=self.budget.peak,
                           files=len(self.files))
 
@@ -291,6 +309,30 @@ class SafetensorsStream:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _gather(futures: Sequence[Future[StreamFile]]) -> list[StreamFile]:
+    """Every result, in order; the first failure is raised once all have finished."""
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return results
+
+
+def _drop_unused(futures: Iterable[Future[StreamFile]], budget: MemoryBudget) -> None:
+    """Wait for header GETs whose files the stream does not read; return their kept tails."""
+    for fut in futures:
+        try:
+            f = fut.result()
+        except Exception:  # noqa: BLE001 - a file the index leaves out need not even be valid
+            continue
+        if f.tail:
+            budget.release(len(f.tail))
 
 
 def _check_weight_map(files: Sequence[StreamFile], weight_map: dict[str, str] | None,

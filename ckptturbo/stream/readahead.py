@@ -22,7 +22,7 @@ import torch
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from .device import Scatter
 from .format import TensorInfo
-from .ranges import MIN_PIECE, RAMP_START
+from .ranges import RAMP_START, grid_step
 
 log = logging.getLogger(__name__)
 SKIP_AHEAD = 8  # a call this many tensors ahead of the order still follows it (the rest is waited out)
@@ -47,7 +47,7 @@ def ordered_reads(tensors: Sequence[TensorInfo], path: str, piece: int,
     """Reads for ``tensors`` in this order: runs of neighbours (each starting where the last
     ended) cut into pieces, smaller at first; each tensor with the reads that cover it."""
     total = sum(t.nbytes for t in tensors)
-    step = max(min(piece, MIN_PIECE), min(piece, -(-total // max(1, streams))))
+    step = grid_step(total, piece, streams)
     plan: list[tuple[TensorInfo, list[Read]]] = []
     reads: list[Read] = []
     size = min(RAMP_START, step)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import fsspec
 
@@ -55,16 +56,39 @@ def open_store(url: str, storage_options: dict[str, Any] | None, streams: int) -
     return Store(url, options, max_workers=max(2, streams))
 
 
-class ByteSource:
-    """Reads byte ranges of listed files through the cache, then the store; counts both."""
+class Parts:
+    """A range's bytes as the bodies of its part GETs, in order, not joined: the consumer
+    (:class:`~.device.Scatter`) copies each body into its destinations, and joining them
+    first would copy every byte once more."""
 
-    def __init__(self, store: Store, cache: DiskCache | None) -> None:
+    def __init__(self, bodies: list[bytes]) -> None:
+        self.bodies = bodies
+        self._size = sum(len(b) for b in bodies)
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class ByteSource:
+    """Reads byte ranges of listed files through the cache, then the store; counts both.
+
+    :meth:`fetch_parts` reads a range of about two ``read_part_size`` parts or more from an
+    object store as concurrent part GETs, as :meth:`Store.get_into` and AWS's CRT client
+    do: each connection to an object store is capped (tens of MB/s on S3), so a 16 MiB
+    range on one connection takes twice as long as on two. The parts after the first go
+    to helper threads of this source (the I/O thread fetches the first itself and waits
+    for the rest; the helpers wait on nothing, so this cannot deadlock).
+    """
+
+    def __init__(self, store: Store, cache: DiskCache | None, part_helpers: int = 0) -> None:
         self.store = store
         self.cache = cache
         self.endpoint = endpoint_key(store)
         self.entries: dict[str, FileEntry] = {}
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("requests", "bytes_fetched", "cache_hits", "cache_bytes"), 0)
+        self._helpers = (ThreadPoolExecutor(part_helpers, thread_name_prefix="ckptturbo-part")
+                         if part_helpers and not store.is_local else None)
 
     def url_of(self, entry: FileEntry) -> str:
         return self.store.url_of(entry.path)
@@ -96,6 +120,35 @@ class ByteSource:
     def fetch(self, read: Read) -> bytes:
         return self.get(self.entries[read.path], read.start, read.end)
 
+    def fetch_parts(self, read: Read) -> bytes | Parts:
+        """``read``'s bytes, as concurrent part GETs when it holds two parts or more (and
+        is not cached: the cache stores whole ranges)."""
+        count = round(read.size / self.store.read_part_size)  # parts within 2/3-4/3 of that size
+        if self._helpers is None or self.cache is not None or count < 2:
+            return self.fetch(read)
+        entry = self.entries[read.path]
+        part = -(-read.size // count)
+        cuts = [*range(read.start, read.end, part), read.end]
+        rest = [self._helpers.submit(self.get, entry, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        bodies, failure = [], None
+        try:
+            bodies.append(self.get(entry, cuts[0], cuts[1]))
+        except BaseException as exc:  # noqa: BLE001 - re-raised once the other parts are done
+            failure = exc
+        for fut in rest:
+            try:
+                bodies.append(fut.result())
+            except BaseException as exc:  # noqa: BLE001 - the same
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return Parts(bodies)
+
+    def close(self) -> None:
+        """Stop the part helpers (after the part GETs in flight)."""
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
     def cached_header(self, entry: FileEntry) -> bytes | None:
         if self.cache is None:
             return None
@@ -121,9 +174,14 @@ class ByteSource:
         return out
 
 
-def list_files(source: ByteSource, spec: str | Sequence[str],
-               validate: bool = False) -> tuple[list[FileEntry], dict[str, str] | None]:
-    """The model's files in stream order, and its index's weight map if it has one."""
+def list_files(source: ByteSource, spec: str | Sequence[str], validate: bool = False,
+               early: Callable[[list[FileEntry]], None] | None = None,
+               ) -> tuple[list[FileEntry], dict[str, str] | None]:
+    """The model's files in stream order, and its index's weight map if it has one.
+
+    ``early`` is called with the directory's ``.safetensors`` files before its index is
+    read, so the caller can start work on them (their header GETs) during that round
+    trip; the index may then select only some of them."""
     key = cache_key("listing", source.endpoint, spec if isinstance(spec, str) else list(spec))
     if source.cache is not None and not validate:
         hit = source.cache.get_json(key)
@@ -134,7 +192,7 @@ def list_files(source: ByteSource, spec: str | Sequence[str],
             source._count(cache_hits=1)
             return entries, hit["weight_map"]
     if isinstance(spec, str):
-        entries, weight_map = _list_location(source.store, spec)
+        entries, weight_map = _list_location(source.store, spec, early)
     else:
         entries, weight_map = _list_urls(source.store, list(spec)), None
     if source.cache is not None:
@@ -158,7 +216,8 @@ def _list_urls(store: Store, urls: list[str]) -> list[FileEntry]:
     return [_entry(i) for i in store.map(store.info, paths)]
 
 
-def _list_location(store: Store, url: str) -> tuple[list[FileEntry], dict[str, str] | None]:
+def _list_location(store: Store, url: str, early: Callable[[list[FileEntry]], None] | None = None,
+                   ) -> tuple[list[FileEntry], dict[str, str] | None]:
     refuse_pickle_name(url)
     if url.rstrip("/").endswith(".safetensors"):
         return [_entry(store.info(store.root))], None
@@ -173,6 +232,8 @@ def _list_location(store: Store, url: str) -> tuple[list[FileEntry], dict[str, s
         if direct[index_name].size > MAX_INDEX_SIZE:
             raise FormatError(f"{store.url_of(direct[index_name].path)}: {direct[index_name].size} "
                               f"bytes is too large for an index (limit {MAX_INDEX_SIZE})")
+        if early is not None:
+            early([_entry(direct[n]) for n in sorted(direct) if n.endswith(".safetensors")])
         weight_map = _read_index(store, direct[index_name].path)
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if n not in direct]
