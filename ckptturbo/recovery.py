@@ -19,20 +19,23 @@ persisted) is skipped for the next older one.
 from __future__ import annotations
 
 import logging
+import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import numpy as np
+import torch.distributed as dist
 
 from . import catalog
 from .agreement import agree, gather
 from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, Location, Manifest
+from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
 from .peers import Nodes, exchange, holdings, plan_fetches
 from .reader import TurboReader
 from .session import wait_for_saves
+from .store import Store
 from .tiers import Tiers, split_checkpoint
 
 if TYPE_CHECKING:
@@ -134,21 +137,29 @@ class TieredReader(TurboReader):
         self.manifest_tier: str | None = None
 
     def read_manifest(self) -> Manifest:
+        """The manifest from this node's memory tier, else the durable one (``recover`` has
+        already chosen: a rank whose memory lacks it adopted a peer's copy first)."""
         if self._manifest is None:
-            wait_for_saves(self.url)
             try:
-                self._manifest = Location(self.memory_url, session=self._session).read_manifest()
-                self.manifest_tier = MEMORY
+                self.read_memory_manifest()
             except (CheckpointNotFound, FormatError) as exc:
                 if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
                     log.warning("%s; reading the durable copy of %s instead", exc, self.url)
-                durable = Location(self.url, self.storage_options, session=self._session)
-                self._manifest = durable.read_manifest()
-                self.manifest_tier = DURABLE
-            # the durable side of the checkpoint: where chunks memory lacks are read
-            self._location = Location.for_manifest(self.url, self.storage_options, self._manifest,
-                                                   session=self._session)
+                self._use(Location(self.url, self.storage_options, session=self._session).read_manifest(),
+                          DURABLE)
         return self._manifest
+
+    def read_memory_manifest(self) -> None:
+        """Read the manifest from this node's memory tier only (CheckpointNotFound, or
+        FormatError when its checksum refuses it): a rank whose node lost it then gets it
+        from a peer's memory, which is nearer than the durable store."""
+        wait_for_saves(self.url)
+        self._use(Location(self.memory_url, session=self._session).read_manifest(), MEMORY)
+
+    def _use(self, manifest: Manifest, tier: str) -> None:
+        self._manifest, self.manifest_tier = manifest, tier
+        # the durable side of the checkpoint: where chunks memory lacks are read
+        self._location = Location.for_manifest(self.url, self.storage_options, manifest, session=self._session)
 
     @property
     def chunks(self) -> TieredChunkSource:
@@ -199,18 +210,22 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
     both tiers when none can be assembled."""
     wait_for_saves(url, under=True)
+    lists_durable = group is None or dist.get_rank(group) == 0
     found = agree(group, f"listing the tiers of {url}",
-                  lambda: _candidates(session, url, tiers, storage_options))
+                  lambda: _candidates(session, url, tiers, storage_options, lists_durable))
     run, names = _agreed_candidates(found)
     nodes = Nodes(group, tiers.node_name)
     for name in names:
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
                               peers=nodes, session=session, **reader_options)
-        problems = agree(group, f"reading the manifest of {checkpoint}",
-                         lambda: _manifest_problem(reader))
+        problems = agree(group, f"reading the manifest of {checkpoint} from memory",
+                         lambda: _manifest_problem(reader.read_memory_manifest))
         if any(problems):
             problems = _share_manifest(reader, problems, nodes, checkpoint)
+        if all(problems):  # in no node's memory: each rank reads the durable one
+            problems = agree(group, f"reading the manifest of {checkpoint}",
+                             lambda: _manifest_problem(reader.read_manifest))
         if any(problems):
             log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
             continue
@@ -242,8 +257,10 @@ def _agreed_candidates(found: list[tuple[str, dict[str, float], bool]]) -> tuple
 
 def _share_manifest(reader: TieredReader, problems: list[str | None], nodes: Nodes,
                     checkpoint: str) -> list[str | None]:
-    """Ranks that could not read the manifest get it from the first rank that could (every
-    rank takes part); returns every rank's problem after adopting it."""
+    """Ranks that could not read the manifest from their node's memory get it from the
+    first rank that could (every rank takes part): a peer's memory is nearer than the
+    durable store, and the adopted copy names the chunks peers then copy in. Returns every
+    rank's problem after adopting it (unchanged when no rank had it)."""
     source = next((r for r, p in enumerate(problems) if p is None), None)
     if source is None:
         return problems
@@ -252,23 +269,29 @@ def _share_manifest(reader: TieredReader, problems: list[str | None], nodes: Nod
                  lambda: None if problems[nodes.rank] is None else reader.adopt_manifest(data))
 
 
-def _manifest_problem(reader: TieredReader) -> str | None:
+def _manifest_problem(read: Callable[[], Any]) -> str | None:
     try:
-        reader.read_manifest()
+        read()
     except (CheckpointNotFound, FormatError) as exc:
+        if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
+            log.warning("%s", exc)
         return str(exc)
     return None
 
 
-def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None
-                ) -> tuple[str, dict[str, float], bool]:
+def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
+                lists_durable: bool) -> tuple[str, dict[str, float], bool]:
     """(run, {name: created}, found at the URL) of what this rank can find: ``url`` alone
     when a tier holds a manifest there (readable or not: the load decides), else every
-    checkpoint of the run ``url`` in either tier."""
+    checkpoint of the run ``url`` in this node's memory tier. Only the rank that
+    ``lists_durable`` asks the durable store (the same store for every rank: one rank's
+    answer is everyone's, and a request through an object store's latency per rank is
+    most of a listing's time)."""
     try:
         run, name = split_checkpoint(url)
-        locations = [Location(tiers.memory_url(url), session=session),
-                     Location(url, storage_options, session=session)]
+        locations = [Location(tiers.memory_url(url), session=session)]
+        if lists_durable:
+            locations.append(Location(url, storage_options, session=session))
     except CkptTurboError:
         locations = []  # no parent to hold a chunk store: a run
     for location in locations:
@@ -278,10 +301,33 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
             except FormatError:
                 return run, {name: 0.0}, True
     run = url.rstrip("/")
-    found = {c.name: c.created for c in catalog.list_checkpoints(run, storage_options, session=session)}
-    memory = catalog.list_checkpoints(tiers.memory_run(run), session=session)
-    found.update({c.name: c.created for c in memory})
+    found = {c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)}
+    if lists_durable:
+        found.update(_durable_checkpoints(session, run, storage_options, known=found.keys()))
     return run, found, False
+
+
+def _durable_checkpoints(session: Session, run: str, storage_options: dict[str, Any] | None,
+                         known: Iterable[str]) -> dict[str, float]:
+    """{name: created} of the durable run's committed checkpoints that are not in
+    ``known``: one listing, then the manifests of the others read in parallel (a name this
+    node's memory holds is the same checkpoint, persisted: its time is known, and reading
+    each manifest in turn through an object store's latency is what made listing slow).
+    An unreadable manifest is logged and left out, as ``ckptturbo ls`` does."""
+    store = Store(run, storage_options, session=session)
+    skip = {CONTROL_DIR, *known}
+    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in skip]
+
+    def created(name: str) -> float | None:
+        try:
+            return Location(f"{run}/{name}", storage_options, session=session).read_manifest().created
+        except CheckpointNotFound:
+            return None  # deleted since the listing: it no longer exists
+        except FormatError as exc:
+            log.warning("checkpoint %s/%s is unreadable: %s", run, name, exc)
+            return None
+
+    return {n: t for n, t in zip(names, store.map(created, names)) if t is not None}
 
 
 def newest_first(found: list[dict[str, float]]) -> list[str]:
