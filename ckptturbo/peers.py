@@ -13,9 +13,10 @@ the save or load. The cost: a node's memory is reachable only while its ranks ru
 is when it matters (a recovering job restarts every node's ranks, the holders' with them).
 
 Which chunk goes from which node to which is planned by pure functions (``plan_replicas``,
-``plan_fetches``) that every rank computes alike from what the nodes hold; only node
-leaders (the lowest rank of each node) send and receive, and every chunk is verified
-against its BLAKE3 name before it is written into the receiving node's tier.
+``plan_fetches``) that every rank computes alike from what the nodes hold; node leaders
+(the lowest rank of each node) send, a node leader receives replicas and the rank that
+needs a chunk receives it in a load, and every chunk is verified against its BLAKE3 name
+before it is written into the receiving node's tier.
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ class Nodes:
 
 @dataclass(frozen=True)
 class Copy:
-    """One chunk sent from one node leader (``source``, a rank of the group) to another."""
+    """One chunk sent from a node leader (``source``, a rank of the group) to a rank of
+    another node (``target``: a node leader when replicating, the rank that needs it when
+    loading)."""
 
     cid: str
     nbytes: int
@@ -115,19 +118,25 @@ def plan_replicas(chunks: dict[str, int], held: dict[str, set[str]], order: list
     return copies
 
 
-def plan_fetches(chunks: dict[str, int], lacking: dict[str, set[str]], held: dict[str, set[str]],
-                 leaders: dict[str, int]) -> list[Copy]:
-    """The copies that bring each node the chunks its ranks need and its tier lacks, each
-    from the holder that has sent the fewest bytes so far. A chunk no other node holds is
-    left to the durable store."""
+def plan_fetches(chunks: dict[str, int], lacking: dict[int, set[str]], nodes: list[str],
+                 held: dict[str, set[str]], leaders: dict[str, int]) -> list[Copy]:
+    """The copies that bring each rank the chunks it needs (``lacking``, by rank) and its
+    node's tier (``nodes``: each rank's node) lacks. A chunk goes once per node, to the
+    lowest rank of the node that needs it: that rank loads it from the received bytes and
+    keeps it in the node's tier, where the node's other ranks read it. Each comes from the
+    holder that has sent the fewest bytes so far; one no other node holds is left to the
+    durable store."""
+    target: dict[tuple[str, str], int] = {}
+    for rank in sorted(lacking):
+        for cid in lacking[rank]:
+            target.setdefault((nodes[rank], cid), rank)
     load = {n: 0 for n in held}
     copies = []
-    for node in sorted(lacking):
-        for cid in sorted(lacking[node]):
-            source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
-                                   load, chunks[cid])
-            if source is not None:
-                copies.append(Copy(cid, chunks[cid], leaders[source], leaders[node]))
+    for (node, cid), rank in sorted(target.items()):
+        source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
+                               load, chunks[cid])
+        if source is not None:
+            copies.append(Copy(cid, chunks[cid], leaders[source], rank))
     return copies
 
 
@@ -225,14 +234,20 @@ def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, 
 def holdings(nodes: Nodes, held_here: Callable[[], set[str]], ids: list[str]) -> dict[str, set[str]]:
     """Which of ``ids`` each node's memory tier holds: node leaders report theirs (a bitmap
     over ``ids``), every rank gets every node's."""
-    mine = None
-    if nodes.node_leader:
-        have = held_here()
-        mine = np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
+    mine = held_bits(held_here(), ids) if nodes.node_leader else None
+    return held_by_node(nodes, gather(nodes.group, mine), ids)
+
+
+def held_bits(have: set[str], ids: list[str]) -> bytes:
+    """Which of ``ids`` are in ``have``, one bit each: what a node leader tells the others."""
+    return np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
+
+
+def held_by_node(nodes: Nodes, bits: list[bytes | None], ids: list[str]) -> dict[str, set[str]]:
+    """Every node's holdings from each rank's ``held_bits`` (None from a non-leader)."""
     out: dict[str, set[str]] = {}
-    for rank, bits in enumerate(gather(nodes.group, mine)):
-        if bits is not None:
-            flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(ids)).astype(bool)
+    for rank, mine in enumerate(bits):
+        if mine is not None:
+            flags = np.unpackbits(np.frombuffer(mine, dtype=np.uint8), count=len(ids)).astype(bool)
             out[nodes.nodes[rank]] = {c for c, f in zip(ids, flags) if f}
     return out
-

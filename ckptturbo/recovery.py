@@ -32,7 +32,7 @@ from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
 from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
-from .peers import Nodes, exchange, holdings, plan_fetches
+from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches
 from .reader import TurboReader
 from .session import wait_for_saves
 from .store import Store
@@ -51,8 +51,9 @@ MEMORY, DURABLE = "memory", "durable"
 class Recovered:
     """What a tiered load loaded: the checkpoint's durable URL, the tier its manifest came
     from on this rank, the chunk bytes this rank read from each tier, and the chunk bytes
-    this rank received from other nodes' memory tiers into its node's (a node leader
-    receives for its node; they are then read from memory)."""
+    this rank received from other nodes' memory tiers (the lowest rank of a node that needs
+    a chunk receives it, loads it from the received bytes and keeps it in its node's tier,
+    where the node's other ranks read it)."""
 
     url: str
     manifest_tier: str
@@ -74,29 +75,52 @@ class TieredChunkSource(ChunkSource):
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
         self.bytes_from_peers = 0
+        self._received: dict[str, memoryview] = {}
 
     def holder(self, cid: str) -> Location:
         return self.memory if cid in self.in_memory and self.memory is not None else self.durable
 
     def fill_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
         """Copy into this node's memory tier the chunks its ranks need (this rank's:
-        ``cids``) that it lacks and another node's memory holds (collective). ``ordinal``:
-        each chunk's position in the manifest's chunk table."""
+        ``cids``) that it lacks and another node's memory holds (collective: one gather of
+        what each rank lacks and each node holds, then the exchange). ``ordinal``: each
+        chunk's position in the manifest's chunk table. A chunk is received by the lowest
+        rank of the node that needs it, verified, kept in the tier and, while this load
+        runs, served from the received bytes: it is hashed once, not again when read."""
         ids = list(self.manifest.chunks)
         mine = np.array(sorted(ordinal[c] for c in cids if c not in self.in_memory), np.int32)
-        lacking: dict[str, set[str]] = {}
-        for rank, raw in enumerate(gather(nodes.group, mine.tobytes())):
-            lacking.setdefault(nodes.nodes[rank], set()).update(
-                ids[i] for i in np.frombuffer(raw, np.int32).tolist())
+        bits = held_bits(self.in_memory, ids) if nodes.node_leader else None
+        everyone = gather(nodes.group, (mine.tobytes(), bits))
+        lacking = {rank: {ids[i] for i in np.frombuffer(raw, np.int32).tolist()}
+                   for rank, (raw, _) in enumerate(everyone)}
         if not any(lacking.values()):
             return
-        held = holdings(nodes, lambda: self.in_memory, ids)
-        copies = plan_fetches(self.manifest.chunks, lacking, held, nodes.leaders)
+        held = held_by_node(nodes, [b for _, b in everyone], ids)
+        copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held, nodes.leaders)
         run = self.memory.run if self.memory is not None else None
+
+        def keep(cid: str, data: memoryview) -> None:
+            run.store.put(run.chunk_path(cid), data)
+            with self._lock:
+                self._received[cid] = data
+                self.chunks_verified += 1
+
         self.bytes_from_peers += exchange(
             nodes, copies, lambda cid, out: run.store.get_into(run.chunk_path(cid), out),
-            lambda cid, data: run.store.put(run.chunk_path(cid), data), f"loading {self.url}")
+            keep, f"loading {self.url}")
         self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
+
+    def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
+        """A chunk this rank received from a peer (verified on receipt) comes from the
+        received bytes, once; any other is read and verified as usual."""
+        with self._lock:
+            received = self._received.pop(cid, None)
+        if received is None:
+            return super().fetch(cid, out)
+        if out is None:
+            return received
+        out[:] = received
+        return out
 
     def require(self, cids: list[str]) -> None:
         """Raise ChunksUnavailable unless each of ``cids`` is in one of this rank's tiers
