@@ -13,10 +13,10 @@ the save or load. The cost: a node's memory is reachable only while its ranks ru
 is when it matters (a recovering job restarts every node's ranks, the holders' with them).
 
 Which chunk goes from which node to which is planned by pure functions (``plan_replicas``,
-``plan_fetches``) that every rank computes alike from what the nodes hold; node leaders
-(the lowest rank of each node) send, a node leader receives replicas and the rank that
-needs a chunk receives it in a load, and every chunk is verified against its BLAKE3 name
-before it is written into the receiving node's tier.
+``plan_fetches``) that every rank computes alike from what the nodes hold; replicas go
+from node leader (the lowest rank of each node) to node leader, a load's chunks from the
+ranks of a holder node to the rank that needs them, and every chunk is verified against
+its BLAKE3 name before it is written into the receiving node's tier.
 """
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ class Nodes:
 
 @dataclass(frozen=True)
 class Copy:
-    """One chunk sent from a node leader (``source``, a rank of the group) to a rank of
-    another node (``target``: a node leader when replicating, the rank that needs it when
-    loading)."""
+    """One chunk sent from a rank of the group (``source``) to a rank of another node
+    (``target``): from node leader to node leader when replicating; in a load, from any
+    rank of a holder node to the rank that needs it."""
 
     cid: str
     nbytes: int
@@ -119,24 +119,31 @@ def plan_replicas(chunks: dict[str, int], held: dict[str, set[str]], order: list
 
 
 def plan_fetches(chunks: dict[str, int], lacking: dict[int, set[str]], nodes: list[str],
-                 held: dict[str, set[str]], leaders: dict[str, int]) -> list[Copy]:
+                 held: dict[str, set[str]]) -> list[Copy]:
     """The copies that bring each rank the chunks it needs (``lacking``, by rank) and its
     node's tier (``nodes``: each rank's node) lacks. A chunk goes once per node, to the
     lowest rank of the node that needs it: that rank loads it from the received bytes and
     keeps it in the node's tier, where the node's other ranks read it. Each comes from the
-    holder that has sent the fewest bytes so far; one no other node holds is left to the
-    durable store."""
+    holder node that has sent the fewest bytes so far, sent by that node's rank that has
+    sent the fewest (every rank of a node can read its tier: a node's ranks share the
+    reading and sending); one no other node holds is left to the durable store."""
     target: dict[tuple[str, str], int] = {}
     for rank in sorted(lacking):
         for cid in lacking[rank]:
             target.setdefault((nodes[rank], cid), rank)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        ranks_of.setdefault(node, []).append(rank)
     load = {n: 0 for n in held}
+    sent = [0] * len(nodes)
     copies = []
     for (node, cid), rank in sorted(target.items()):
         source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
                                load, chunks[cid])
         if source is not None:
-            copies.append(Copy(cid, chunks[cid], leaders[source], rank))
+            sender = min(ranks_of[source], key=lambda r: sent[r])
+            sent[sender] += chunks[cid]
+            copies.append(Copy(cid, chunks[cid], sender, rank))
     return copies
 
 

@@ -96,7 +96,7 @@ class TieredChunkSource(ChunkSource):
         if not any(lacking.values()):
             return
         held = held_by_node(nodes, [b for _, b in everyone], ids)
-        copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held, nodes.leaders)
+        copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held)
         run = self.memory.run if self.memory is not None else None
 
         def keep(cid: str, data: memoryview) -> None:

@@ -268,8 +268,10 @@ def test_peer_plans_place_copies_on_other_nodes_and_spread_uploads():
 
     nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
     lacking = {3: {a, c}, 2: {c}, 0: set()}  # each chunk once per node, to its lowest needer
-    assert plan_fetches(chunks, lacking, nodes, held, leaders) == [Copy(a, 10, 0, 3), Copy(c, 30, 4, 2)]
-    assert plan_fetches({**chunks, "d" * 64: 1}, {2: {"d" * 64}}, nodes, held, leaders) == []  # durable
+    assert plan_fetches(chunks, lacking, nodes, held) == [Copy(a, 10, 0, 3), Copy(c, 30, 4, 2)]
+    assert plan_fetches({**chunks, "d" * 64: 1}, {2: {"d" * 64}}, nodes, held) == []  # durable
+    both = plan_fetches(chunks, {0: {b}, 4: {b}, 5: {a}}, nodes, {"n0": {a}, "n1": {b}})
+    assert both == [Copy(b, 20, 2, 0), Copy(a, 10, 0, 5), Copy(b, 20, 3, 4)]  # a node's ranks share sending
     share = spread(chunks, held)
     assert sorted(x for v in share.values() for x in v) == sorted(chunks)  # each chunk once
     assert share["n0"] == [a] and share["n1"] == [b] and share["n2"] == [c]
