@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from .agreement import agree, gather
 from .chunks import chunk_id
-from .errors import IntegrityError
+from .errors import IntegrityError, StorageError
+from .layout import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +183,11 @@ def rounds(copies: list[Copy], budget: int = ROUND_BYTES) -> Iterable[list[Copy]
         yield batch
 
 
-def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryview], None],
+def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.Tensor],
              write: Callable[[str, memoryview], None], what: str) -> int:
     """Carry out ``copies`` (the same list on every rank): this rank sends what it is the
-    source of (``read_into`` fills a buffer with a chunk) and receives, verifies and writes
-    what it is the target of. Returns the bytes received here.
+    source of (``read(cid, nbytes)``: the chunk's bytes, e.g. ``tier_chunk``) and receives,
+    verifies and writes what it is the target of. Returns the bytes received here.
 
     Every round posts all its sends and receives before waiting on any, so no order of
     arrival can deadlock; the chunks a round sends are read (and the reads agreed on) before
@@ -199,9 +200,7 @@ def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryv
         try:
             for i, copy in enumerate(batch):
                 if copy.source == nodes.rank and copy.nbytes:
-                    buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
-                    read_into(copy.cid, memoryview(buffer.numpy()))
-                    outgoing.append((i, copy, buffer))
+                    outgoing.append((i, copy, read(copy.cid, copy.nbytes)))
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             problem = exc
         agree(nodes.group, f"reading the chunks {what} sends", lambda: _raise(problem))
@@ -222,6 +221,19 @@ def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryv
               lambda: [_keep(copy, buffer, nodes, write) for copy, buffer in incoming])
         received += sum(copy.nbytes for copy, _ in incoming)
     return received
+
+
+def tier_chunk(run: RunStore, cid: str, nbytes: int) -> torch.Tensor:
+    """Chunk ``cid`` of a memory tier (always a local directory) to send, mapped from its
+    file instead of read into a buffer: the socket takes the bytes from the tier's pages,
+    with no copy before (the receiver verifies them). The mapping is private and only
+    read: nothing can reach the file through it."""
+    path = run.chunk_path(cid)
+    try:
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as exc:  # missing, or shorter than the manifest says
+        raise StorageError(f"chunk {cid} of the memory tier {run.store.url_of(run.chunks_root)} "
+                           f"cannot be read: {exc}") from exc
 
 
 def _raise(problem: Exception | None) -> None:

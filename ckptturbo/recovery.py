@@ -32,7 +32,7 @@ from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
 from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
-from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches
+from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader
 from .session import wait_for_saves
 from .store import Store
@@ -106,8 +106,7 @@ class TieredChunkSource(ChunkSource):
                 self.chunks_verified += 1
 
         self.bytes_from_peers += exchange(
-            nodes, copies, lambda cid, out: run.store.get_into(run.chunk_path(cid), out),
-            keep, f"loading {self.url}")
+            nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep, f"loading {self.url}")
         self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
 
     def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
