@@ -42,13 +42,15 @@ class Nodes:
     """The ranks of a group as the tiers see them: which node each rank is on, and each
     node's leader (its lowest rank), the one that writes for the node's memory tier."""
 
-    def __init__(self, group: Any, node: str) -> None:
+    def __init__(self, group: Any, node: str, nodes: list[str] | None = None) -> None:
+        """``nodes``: every rank's node when a collective the caller made already carried
+        them (one round fewer), else they are gathered here."""
         self.group = group
         if group is None:
             self.rank, self.nodes = 0, [node]
         else:
             self.rank = dist.get_rank(group)
-            self.nodes = gather(group, node)
+            self.nodes = nodes if nodes is not None else gather(group, node)
         self.node = node
         self.order = list(dict.fromkeys(self.nodes))  # nodes in order of their leaders
         self.leaders = {n: self.nodes.index(n) for n in self.order}
@@ -190,24 +192,23 @@ def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.
     verifies and writes what it is the target of. Returns the bytes received here.
 
     Every round posts all its sends and receives before waiting on any, so no order of
-    arrival can deadlock; the chunks a round sends are read (and the reads agreed on) before
-    anything is posted, so a failed read fails every rank at once instead of leaving a
-    receiver waiting."""
+    arrival can deadlock, and ends with one agreement: every rank gets every outcome. A
+    chunk its source cannot read is sent as zeros, so that no receiver waits for it; it
+    fails its check where it arrives and the read's error is raised on the source, so a
+    failed read fails every rank at once."""
     received = 0
     for batch in rounds(copies):
-        outgoing: list[tuple[int, Copy, torch.Tensor]] = []
         problem: Exception | None = None
-        try:
-            for i, copy in enumerate(batch):
-                if copy.source == nodes.rank and copy.nbytes:
-                    outgoing.append((i, copy, read(copy.cid, copy.nbytes)))
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
-            problem = exc
-        agree(nodes.group, f"reading the chunks {what} sends", lambda: _raise(problem))
         work, incoming = [], []
-        for i, copy, buffer in outgoing:
-            work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
-                                   group=nodes.group, tag=i))
+        for i, copy in enumerate(batch):
+            if copy.source == nodes.rank and copy.nbytes:
+                try:
+                    buffer = read(copy.cid, copy.nbytes)
+                except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                    problem = problem or exc
+                    buffer = torch.zeros(copy.nbytes, dtype=torch.uint8)
+                work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
+                                       group=nodes.group, tag=i))
         for i, copy in enumerate(batch):
             if copy.target == nodes.rank:
                 buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
@@ -217,8 +218,13 @@ def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.
                 incoming.append((copy, buffer))
         for w in work:
             w.wait()
-        agree(nodes.group, f"writing the chunks {what} received",
-              lambda: [_keep(copy, buffer, nodes, write) for copy, buffer in incoming])
+
+        def settle() -> None:
+            _raise(problem)
+            for copy, buffer in incoming:
+                _keep(copy, buffer, nodes, write)
+
+        agree(nodes.group, f"copying the chunks of {what}", settle)
         received += sum(copy.nbytes for copy, _ in incoming)
     return received
 

@@ -163,21 +163,15 @@ class TieredReader(TurboReader):
         """The manifest from this node's memory tier, else the durable one (``recover`` has
         already chosen: a rank whose memory lacks it adopted a peer's copy first)."""
         if self._manifest is None:
+            wait_for_saves(self.url)
             try:
-                self.read_memory_manifest()
+                self._use(Location(self.memory_url, session=self._session).read_manifest(), MEMORY)
             except (CheckpointNotFound, FormatError) as exc:
                 if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
                     log.warning("%s; reading the durable copy of %s instead", exc, self.url)
                 self._use(Location(self.url, self.storage_options, session=self._session).read_manifest(),
                           DURABLE)
         return self._manifest
-
-    def read_memory_manifest(self) -> None:
-        """Read the manifest from this node's memory tier only (CheckpointNotFound, or
-        FormatError when its checksum refuses it): a rank whose node lost it then gets it
-        from a peer's memory, which is nearer than the durable store."""
-        wait_for_saves(self.url)
-        self._use(Location(self.memory_url, session=self._session).read_manifest(), MEMORY)
 
     def _use(self, manifest: Manifest, tier: str) -> None:
         self._manifest, self.manifest_tier = manifest, tier
@@ -200,12 +194,16 @@ class TieredReader(TurboReader):
     def bytes_from_peers(self) -> int:
         return self._source.bytes_from_peers if self._source is not None else 0
 
-    def manifest_bytes(self) -> bytes:
-        """The stored bytes of the manifest this reader read (to hand to a rank that lacks it)."""
-        where = Location(self.memory_url if self.manifest_tier == MEMORY else self.url,
-                         None if self.manifest_tier == MEMORY else self.storage_options,
-                         session=self._session)
-        return where.store.get(where.manifest_path)
+    def memory_manifest_bytes(self) -> bytes | None:
+        """The stored bytes of the manifest in this node's memory tier, to hand to ranks
+        whose node lacks it; None when they cannot be read (those ranks then read the
+        tiers themselves: this rank must take part in the hand-over either way)."""
+        memory = Location(self.memory_url, session=self._session)
+        try:
+            return memory.store.get(memory.manifest_path)
+        except (CkptTurboError, OSError) as exc:
+            log.warning("cannot hand the manifest of %s to the ranks that lack it: %s", self.url, exc)
+            return None
 
     def adopt_manifest(self, data: bytes) -> None:
         """Keep the manifest another rank read (checked against its own checksum) in this
@@ -237,18 +235,12 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     found = agree(group, f"listing the tiers of {url}",
                   lambda: _candidates(session, url, tiers, storage_options, lists_durable))
     run, names = _agreed_candidates(found)
-    nodes = Nodes(group, tiers.node_name)
+    nodes = Nodes(group, tiers.node_name, [f.node for f in found])
     for name in names:
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
                               peers=nodes, session=session, **reader_options)
-        problems = agree(group, f"reading the manifest of {checkpoint} from memory",
-                         lambda: _manifest_problem(reader.read_memory_manifest))
-        if any(problems):
-            problems = _share_manifest(reader, problems, nodes, checkpoint)
-        if all(problems):  # in no node's memory: each rank reads the durable one
-            problems = agree(group, f"reading the manifest of {checkpoint}",
-                             lambda: _manifest_problem(reader.read_manifest))
+        problems = _read_manifests(reader, nodes, [name in f.in_memory for f in found], checkpoint)
         if any(problems):
             log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
             continue
@@ -266,45 +258,67 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     raise CheckpointNotFound(
         f"no checkpoint of {run} can be assembled from the memory tiers {tiers.memory_run(run)} "
         f"of the nodes {', '.join(nodes.order)} or the durable store "
-        f"({len(found[nodes.rank][1])} found on this rank)")
+        f"({len(found[nodes.rank].created)} found on this rank)")
 
 
-def _agreed_candidates(found: list[tuple[str, dict[str, float], bool]]) -> tuple[str, list[str]]:
+def _agreed_candidates(found: list[_Found]) -> tuple[str, list[str]]:
     """(run, names newest first) from every rank's ``_candidates``: the checkpoint when a
     rank found one at the URL itself, else every checkpoint some rank found."""
-    for run, names, at_url in found:
-        if at_url:
-            return run, list(names)
-    return found[0][0], newest_first([names for _, names, _ in found])
+    for f in found:
+        if f.at_url:
+            return f.run, list(f.created)
+    return found[0].run, newest_first([f.created for f in found])
 
 
-def _share_manifest(reader: TieredReader, problems: list[str | None], nodes: Nodes,
+def _read_manifests(reader: TieredReader, nodes: Nodes, in_memory: list[bool],
                     checkpoint: str) -> list[str | None]:
-    """Ranks that could not read the manifest from their node's memory get it from the
-    first rank that could (every rank takes part): a peer's memory is nearer than the
-    durable store, and the adopted copy names the chunks peers then copy in. Returns every
-    rank's problem after adopting it (unchanged when no rank had it)."""
-    source = next((r for r, p in enumerate(problems) if p is None), None)
-    if source is None:
-        return problems
-    data = nodes.share(reader.manifest_bytes() if nodes.rank == source else None, source)
-    return agree(nodes.group, f"adopting the manifest of {checkpoint}",
-                 lambda: None if problems[nodes.rank] is None else reader.adopt_manifest(data))
+    """Every rank reads the checkpoint's manifest (collective; returns every rank's
+    problem, None where it has it): from its node's memory tier when the listing found it
+    there (``in_memory``, by rank), else from the first rank whose memory holds it, else
+    from the durable store. A peer's memory is nearer than the durable store, and the copy
+    a rank adopts into its node's memory names the chunks peers then copy in. One gather
+    when no rank lacks it; a broadcast before it when some do."""
+    shared = None
+    if any(in_memory) and not all(in_memory):
+        source = in_memory.index(True)
+        shared = nodes.share(reader.memory_manifest_bytes() if nodes.rank == source else None, source)
+    adopt = shared if not in_memory[nodes.rank] else None
+    return agree(nodes.group, f"reading the manifest of {checkpoint}", lambda: _manifest_problem(reader, adopt))
 
 
-def _manifest_problem(read: Callable[[], Any]) -> str | None:
+def _manifest_problem(reader: TieredReader, shared: bytes | None) -> str | None:
+    """Why this rank cannot read the manifest (None when it has): ``shared``, a peer's
+    memory copy, is adopted when given and sound, else this node's memory copy or the
+    durable one is read."""
     try:
-        read()
+        if shared is not None:
+            try:
+                reader.adopt_manifest(shared)
+                return None
+            except FormatError as exc:  # damaged on the way: the tiers may have a sound one
+                log.warning("%s; reading it from the tiers instead", exc)
+        reader.read_manifest()
     except (CheckpointNotFound, FormatError) as exc:
-        if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
-            log.warning("%s", exc)
         return str(exc)
     return None
 
 
+@dataclass(frozen=True)
+class _Found:
+    """What one rank found in the tiers (``_candidates``): the run, {name: created} of its
+    checkpoints, whether a checkpoint was found at the URL itself, the rank's node, and
+    the names whose manifest the node's memory tier holds (readable)."""
+
+    run: str
+    created: dict[str, float]
+    at_url: bool
+    node: str
+    in_memory: frozenset[str]
+
+
 def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
-                lists_durable: bool) -> tuple[str, dict[str, float], bool]:
-    """(run, {name: created}, found at the URL) of what this rank can find: ``url`` alone
+                lists_durable: bool) -> _Found:
+    """What this rank can find: ``url`` alone
     when a tier holds a manifest there (readable or not: the load decides), else every
     checkpoint of the run ``url`` in this node's memory tier. Only the rank that
     ``lists_durable`` asks the durable store (the same store for every rank: one rank's
@@ -317,17 +331,20 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
             locations.append(Location(url, storage_options, session=session))
     except CkptTurboError:
         locations = []  # no parent to hold a chunk store: a run
+    node = tiers.node_name
     for location in locations:
         if location.store.exists(location.manifest_path):
+            in_memory = frozenset({name}) if location is locations[0] else frozenset()
             try:
-                return run, {name: location.read_manifest().created}, True
+                return _Found(run, {name: location.read_manifest().created}, True, node, in_memory)
             except FormatError:
-                return run, {name: 0.0}, True
+                return _Found(run, {name: 0.0}, True, node, frozenset())
     run = url.rstrip("/")
     found = {c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)}
+    in_memory = frozenset(found)
     if lists_durable:
-        found.update(_durable_checkpoints(session, run, storage_options, known=found.keys()))
-    return run, found, False
+        found.update(_durable_checkpoints(session, run, storage_options, known=in_memory))
+    return _Found(run, found, False, node, in_memory)
 
 
 def _durable_checkpoints(session: Session, run: str, storage_options: dict[str, Any] | None,
