@@ -19,6 +19,7 @@ persisted) is skipped for the next older one.
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
@@ -71,7 +72,10 @@ class TieredChunkSource(ChunkSource):
         super().__init__(location, manifest, url, verify)
         self.memory = memory
         self.durable = durable
-        self.in_memory = memory.run.chunk_ids() & manifest.chunks.keys() if memory is not None else set()
+        # the memory tier is a local directory: a stat per chunk of this checkpoint costs
+        # less than listing every chunk the tier holds for the whole run
+        self.in_memory = ({c for c in manifest.chunks if os.path.exists(memory.chunk_path(c))}
+                          if memory is not None else set())
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
         self.bytes_from_peers = 0
