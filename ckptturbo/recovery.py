@@ -1,20 +1,22 @@
 """Loading from tiers: the newest checkpoint that can be assembled, each chunk from the
 nearest holder.
 
-A tiered load looks for checkpoints in this node's memory tier and in the durable store.
-A manifest in memory that was never persisted is as trustworthy as a durable one: it
-carries its own checksum and names its chunks by their hashes. Candidates are the
-checkpoints any rank finds, tried newest first; a rank that lacks a candidate's manifest
-(its node was lost and restarted) gets it from one that has it, checks its checksum and
-keeps it in its node's memory tier. The ranks agree on each outcome, so they all load the
-same checkpoint.
+A tiered load looks for checkpoints in each node's memory tier and in the durable store
+(listed by one rank: the store is the same for all). A manifest in memory that was never
+persisted is as trustworthy as a durable one: it carries its own checksum and names its
+chunks by their hashes. Candidates are the checkpoints any rank finds, tried newest
+first; a rank whose node lacks a candidate's manifest (the node was lost and restarted)
+gets it from a rank whose memory has it, checks its checksum and keeps it in its node's
+memory tier; the durable manifest is read only when no node's memory has one. The ranks
+agree on each outcome, so they all load the same checkpoint.
 
 Each rank reads a chunk from its own node's memory when it is there. Before any byte is
-read, the chunks the ranks of a node need and its memory lacks are copied into it from
-the other nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or
-chunks another node's ranks wrote); only what no node holds is read from the durable
-store. A checkpoint where some rank needs a chunk that no tier holds (evicted, and never
-persisted) is skipped for the next older one.
+read, the chunks the ranks of a node need and its memory lacks are copied from the other
+nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or chunks
+another node's ranks wrote) to the rank that needs them, which verifies them, keeps them
+in its node's tier and loads them from the received bytes; only what no node holds is
+read from the durable store. A checkpoint where some rank needs a chunk that no tier holds
+(evicted, and never persisted) is skipped for the next older one.
 """
 from __future__ import annotations
 
