@@ -13,9 +13,10 @@ the save or load. The cost: a node's memory is reachable only while its ranks ru
 is when it matters (a recovering job restarts every node's ranks, the holders' with them).
 
 Which chunk goes from which node to which is planned by pure functions (``plan_replicas``,
-``plan_fetches``) that every rank computes alike from what the nodes hold; only node
-leaders (the lowest rank of each node) send and receive, and every chunk is verified
-against its BLAKE3 name before it is written into the receiving node's tier.
+``plan_fetches``) that every rank computes alike from what the nodes hold; replicas go
+from node leader (the lowest rank of each node) to node leader, a load's chunks from the
+ranks of a holder node to the rank that needs them, and every chunk is verified against
+its BLAKE3 name before it is written into the receiving node's tier.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 from .agreement import agree, gather
 from .chunks import chunk_id
-from .errors import IntegrityError
+from .errors import IntegrityError, StorageError
+from .layout import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +42,15 @@ class Nodes:
     """The ranks of a group as the tiers see them: which node each rank is on, and each
     node's leader (its lowest rank), the one that writes for the node's memory tier."""
 
-    def __init__(self, group: Any, node: str) -> None:
+    def __init__(self, group: Any, node: str, nodes: list[str] | None = None) -> None:
+        """``nodes``: every rank's node when a collective the caller made already carried
+        them (one round fewer), else they are gathered here."""
         self.group = group
         if group is None:
             self.rank, self.nodes = 0, [node]
         else:
             self.rank = dist.get_rank(group)
-            self.nodes = gather(group, node)
+            self.nodes = nodes if nodes is not None else gather(group, node)
         self.node = node
         self.order = list(dict.fromkeys(self.nodes))  # nodes in order of their leaders
         self.leaders = {n: self.nodes.index(n) for n in self.order}
@@ -70,7 +74,9 @@ class Nodes:
 
 @dataclass(frozen=True)
 class Copy:
-    """One chunk sent from one node leader (``source``, a rank of the group) to another."""
+    """One chunk sent from a rank of the group (``source``) to a rank of another node
+    (``target``): from node leader to node leader when replicating; in a load, from any
+    rank of a holder node to the rank that needs it."""
 
     cid: str
     nbytes: int
@@ -115,19 +121,32 @@ def plan_replicas(chunks: dict[str, int], held: dict[str, set[str]], order: list
     return copies
 
 
-def plan_fetches(chunks: dict[str, int], lacking: dict[str, set[str]], held: dict[str, set[str]],
-                 leaders: dict[str, int]) -> list[Copy]:
-    """The copies that bring each node the chunks its ranks need and its tier lacks, each
-    from the holder that has sent the fewest bytes so far. A chunk no other node holds is
-    left to the durable store."""
+def plan_fetches(chunks: dict[str, int], lacking: dict[int, set[str]], nodes: list[str],
+                 held: dict[str, set[str]]) -> list[Copy]:
+    """The copies that bring each rank the chunks it needs (``lacking``, by rank) and its
+    node's tier (``nodes``: each rank's node) lacks. A chunk goes once per node, to the
+    lowest rank of the node that needs it: that rank loads it from the received bytes and
+    keeps it in the node's tier, where the node's other ranks read it. Each comes from the
+    holder node that has sent the fewest bytes so far, sent by that node's rank that has
+    sent the fewest (every rank of a node can read its tier: a node's ranks share the
+    reading and sending); one no other node holds is left to the durable store."""
+    target: dict[tuple[str, str], int] = {}
+    for rank in sorted(lacking):
+        for cid in lacking[rank]:
+            target.setdefault((nodes[rank], cid), rank)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        ranks_of.setdefault(node, []).append(rank)
     load = {n: 0 for n in held}
+    sent = [0] * len(nodes)
     copies = []
-    for node in sorted(lacking):
-        for cid in sorted(lacking[node]):
-            source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
-                                   load, chunks[cid])
-            if source is not None:
-                copies.append(Copy(cid, chunks[cid], leaders[source], leaders[node]))
+    for (node, cid), rank in sorted(target.items()):
+        source = _least_loaded([n for n in sorted(held) if n != node and cid in held[n]],
+                               load, chunks[cid])
+        if source is not None:
+            sender = min(ranks_of[source], key=lambda r: sent[r])
+            sent[sender] += chunks[cid]
+            copies.append(Copy(cid, chunks[cid], sender, rank))
     return copies
 
 
@@ -166,33 +185,30 @@ def rounds(copies: list[Copy], budget: int = ROUND_BYTES) -> Iterable[list[Copy]
         yield batch
 
 
-def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryview], None],
+def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.Tensor],
              write: Callable[[str, memoryview], None], what: str) -> int:
     """Carry out ``copies`` (the same list on every rank): this rank sends what it is the
-    source of (``read_into`` fills a buffer with a chunk) and receives, verifies and writes
-    what it is the target of. Returns the bytes received here.
+    source of (``read(cid, nbytes)``: the chunk's bytes, e.g. ``tier_chunk``) and receives,
+    verifies and writes what it is the target of. Returns the bytes received here.
 
     Every round posts all its sends and receives before waiting on any, so no order of
-    arrival can deadlock; the chunks a round sends are read (and the reads agreed on) before
-    anything is posted, so a failed read fails every rank at once instead of leaving a
-    receiver waiting."""
+    arrival can deadlock, and ends with one agreement: every rank gets every outcome. A
+    chunk its source cannot read is sent as zeros, so that no receiver waits for it; it
+    fails its check where it arrives and the read's error is raised on the source, so a
+    failed read fails every rank at once."""
     received = 0
     for batch in rounds(copies):
-        outgoing: list[tuple[int, Copy, torch.Tensor]] = []
         problem: Exception | None = None
-        try:
-            for i, copy in enumerate(batch):
-                if copy.source == nodes.rank and copy.nbytes:
-                    buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
-                    read_into(copy.cid, memoryview(buffer.numpy()))
-                    outgoing.append((i, copy, buffer))
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
-            problem = exc
-        agree(nodes.group, f"reading the chunks {what} sends", lambda: _raise(problem))
         work, incoming = [], []
-        for i, copy, buffer in outgoing:
-            work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
-                                   group=nodes.group, tag=i))
+        for i, copy in enumerate(batch):
+            if copy.source == nodes.rank and copy.nbytes:
+                try:
+                    buffer = read(copy.cid, copy.nbytes)
+                except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                    problem = problem or exc
+                    buffer = torch.zeros(copy.nbytes, dtype=torch.uint8)
+                work.append(dist.isend(buffer, dist.get_global_rank(nodes.group, copy.target),
+                                       group=nodes.group, tag=i))
         for i, copy in enumerate(batch):
             if copy.target == nodes.rank:
                 buffer = torch.empty(copy.nbytes, dtype=torch.uint8)
@@ -202,10 +218,28 @@ def exchange(nodes: Nodes, copies: list[Copy], read_into: Callable[[str, memoryv
                 incoming.append((copy, buffer))
         for w in work:
             w.wait()
-        agree(nodes.group, f"writing the chunks {what} received",
-              lambda: [_keep(copy, buffer, nodes, write) for copy, buffer in incoming])
+
+        def settle() -> None:
+            _raise(problem)
+            for copy, buffer in incoming:
+                _keep(copy, buffer, nodes, write)
+
+        agree(nodes.group, f"copying the chunks of {what}", settle)
         received += sum(copy.nbytes for copy, _ in incoming)
     return received
+
+
+def tier_chunk(run: RunStore, cid: str, nbytes: int) -> torch.Tensor:
+    """Chunk ``cid`` of a memory tier (always a local directory) to send, mapped from its
+    file instead of read into a buffer: the socket takes the bytes from the tier's pages,
+    with no copy before (the receiver verifies them). The mapping is private and only
+    read: nothing can reach the file through it."""
+    path = run.chunk_path(cid)
+    try:
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as exc:  # missing, or shorter than the manifest says
+        raise StorageError(f"chunk {cid} of the memory tier {run.store.url_of(run.chunks_root)} "
+                           f"cannot be read: {exc}") from exc
 
 
 def _raise(problem: Exception | None) -> None:
@@ -225,14 +259,20 @@ def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, 
 def holdings(nodes: Nodes, held_here: Callable[[], set[str]], ids: list[str]) -> dict[str, set[str]]:
     """Which of ``ids`` each node's memory tier holds: node leaders report theirs (a bitmap
     over ``ids``), every rank gets every node's."""
-    mine = None
-    if nodes.node_leader:
-        have = held_here()
-        mine = np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
+    mine = held_bits(held_here(), ids) if nodes.node_leader else None
+    return held_by_node(nodes, gather(nodes.group, mine), ids)
+
+
+def held_bits(have: set[str], ids: list[str]) -> bytes:
+    """Which of ``ids`` are in ``have``, one bit each: what a node leader tells the others."""
+    return np.packbits(np.fromiter((c in have for c in ids), dtype=bool, count=len(ids))).tobytes()
+
+
+def held_by_node(nodes: Nodes, bits: list[bytes | None], ids: list[str]) -> dict[str, set[str]]:
+    """Every node's holdings from each rank's ``held_bits`` (None from a non-leader)."""
     out: dict[str, set[str]] = {}
-    for rank, bits in enumerate(gather(nodes.group, mine)):
-        if bits is not None:
-            flags = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=len(ids)).astype(bool)
+    for rank, mine in enumerate(bits):
+        if mine is not None:
+            flags = np.unpackbits(np.frombuffer(mine, dtype=np.uint8), count=len(ids)).astype(bool)
             out[nodes.nodes[rank]] = {c for c, f in zip(ids, flags) if f}
     return out
-

@@ -1,38 +1,44 @@
 """Loading from tiers: the newest checkpoint that can be assembled, each chunk from the
 nearest holder.
 
-A tiered load looks for checkpoints in this node's memory tier and in the durable store.
-A manifest in memory that was never persisted is as trustworthy as a durable one: it
-carries its own checksum and names its chunks by their hashes. Candidates are the
-checkpoints any rank finds, tried newest first; a rank that lacks a candidate's manifest
-(its node was lost and restarted) gets it from one that has it, checks its checksum and
-keeps it in its node's memory tier. The ranks agree on each outcome, so they all load the
-same checkpoint.
+A tiered load looks for checkpoints in each node's memory tier and in the durable store
+(listed by one rank: the store is the same for all). A manifest in memory that was never
+persisted is as trustworthy as a durable one: it carries its own checksum and names its
+chunks by their hashes. Candidates are the checkpoints any rank finds, tried newest
+first; a rank whose node lacks a candidate's manifest (the node was lost and restarted)
+gets it from a rank whose memory has it, checks its checksum and keeps it in its node's
+memory tier; the durable manifest is read only when no node's memory has one. The ranks
+agree on each outcome, so they all load the same checkpoint.
 
 Each rank reads a chunk from its own node's memory when it is there. Before any byte is
-read, the chunks the ranks of a node need and its memory lacks are copied into it from
-the other nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or
-chunks another node's ranks wrote); only what no node holds is read from the durable
-store. A checkpoint where some rank needs a chunk that no tier holds (evicted, and never
-persisted) is skipped for the next older one.
+read, the chunks the ranks of a node need and its memory lacks are copied from the other
+nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or chunks
+another node's ranks wrote) to the rank that needs them, which verifies them, keeps them
+in its node's tier and loads them from the received bytes; only what no node holds is
+read from the durable store. A checkpoint where some rank needs a chunk that no tier holds
+(evicted, and never persisted) is skipped for the next older one.
 """
 from __future__ import annotations
 
 import logging
+import os
+import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import numpy as np
+import torch.distributed as dist
 
 from . import catalog
 from .agreement import agree, gather
 from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, Location, Manifest
-from .peers import Nodes, exchange, holdings, plan_fetches
+from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
+from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader
 from .session import wait_for_saves
+from .store import Store
 from .tiers import Tiers, split_checkpoint
 
 if TYPE_CHECKING:
@@ -48,8 +54,9 @@ MEMORY, DURABLE = "memory", "durable"
 class Recovered:
     """What a tiered load loaded: the checkpoint's durable URL, the tier its manifest came
     from on this rank, the chunk bytes this rank read from each tier, and the chunk bytes
-    this rank received from other nodes' memory tiers into its node's (a node leader
-    receives for its node; they are then read from memory)."""
+    this rank received from other nodes' memory tiers (the lowest rank of a node that needs
+    a chunk receives it, loads it from the received bytes and keeps it in its node's tier,
+    where the node's other ranks read it)."""
 
     url: str
     manifest_tier: str
@@ -67,33 +74,58 @@ class TieredChunkSource(ChunkSource):
         super().__init__(location, manifest, url, verify)
         self.memory = memory
         self.durable = durable
-        self.in_memory = memory.run.chunk_ids() & manifest.chunks.keys() if memory is not None else set()
+        # the memory tier is a local directory: a stat per chunk of this checkpoint costs
+        # less than listing every chunk the tier holds for the whole run
+        self.in_memory = ({c for c in manifest.chunks if os.path.exists(memory.chunk_path(c))}
+                          if memory is not None else set())
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
         self.bytes_from_peers = 0
+        self._received: dict[str, memoryview] = {}
 
     def holder(self, cid: str) -> Location:
         return self.memory if cid in self.in_memory and self.memory is not None else self.durable
 
     def fill_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
         """Copy into this node's memory tier the chunks its ranks need (this rank's:
-        ``cids``) that it lacks and another node's memory holds (collective). ``ordinal``:
-        each chunk's position in the manifest's chunk table."""
+        ``cids``) that it lacks and another node's memory holds (collective: one gather of
+        what each rank lacks and each node holds, then the exchange). ``ordinal``: each
+        chunk's position in the manifest's chunk table. A chunk is received by the lowest
+        rank of the node that needs it, verified, kept in the tier and, while this load
+        runs, served from the received bytes: it is hashed once, not again when read."""
         ids = list(self.manifest.chunks)
         mine = np.array(sorted(ordinal[c] for c in cids if c not in self.in_memory), np.int32)
-        lacking: dict[str, set[str]] = {}
-        for rank, raw in enumerate(gather(nodes.group, mine.tobytes())):
-            lacking.setdefault(nodes.nodes[rank], set()).update(
-                ids[i] for i in np.frombuffer(raw, np.int32).tolist())
+        bits = held_bits(self.in_memory, ids) if nodes.node_leader else None
+        everyone = gather(nodes.group, (mine.tobytes(), bits))
+        lacking = {rank: {ids[i] for i in np.frombuffer(raw, np.int32).tolist()}
+                   for rank, (raw, _) in enumerate(everyone)}
         if not any(lacking.values()):
             return
-        held = holdings(nodes, lambda: self.in_memory, ids)
-        copies = plan_fetches(self.manifest.chunks, lacking, held, nodes.leaders)
+        held = held_by_node(nodes, [b for _, b in everyone], ids)
+        copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held)
         run = self.memory.run if self.memory is not None else None
+
+        def keep(cid: str, data: memoryview) -> None:
+            run.store.put(run.chunk_path(cid), data)
+            with self._lock:
+                self._received[cid] = data
+                self.chunks_verified += 1
+
         self.bytes_from_peers += exchange(
-            nodes, copies, lambda cid, out: run.store.get_into(run.chunk_path(cid), out),
-            lambda cid, data: run.store.put(run.chunk_path(cid), data), f"loading {self.url}")
+            nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep, f"loading {self.url}")
         self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
+
+    def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
+        """A chunk this rank received from a peer (verified on receipt) comes from the
+        received bytes, once; any other is read and verified as usual."""
+        with self._lock:
+            received = self._received.pop(cid, None)
+        if received is None:
+            return super().fetch(cid, out)
+        if out is None:
+            return received
+        out[:] = received
+        return out
 
     def require(self, cids: list[str]) -> None:
         """Raise ChunksUnavailable unless each of ``cids`` is in one of this rank's tiers
@@ -134,21 +166,23 @@ class TieredReader(TurboReader):
         self.manifest_tier: str | None = None
 
     def read_manifest(self) -> Manifest:
+        """The manifest from this node's memory tier, else the durable one (``recover`` has
+        already chosen: a rank whose memory lacks it adopted a peer's copy first)."""
         if self._manifest is None:
             wait_for_saves(self.url)
             try:
-                self._manifest = Location(self.memory_url, session=self._session).read_manifest()
-                self.manifest_tier = MEMORY
+                self._use(Location(self.memory_url, session=self._session).read_manifest(), MEMORY)
             except (CheckpointNotFound, FormatError) as exc:
                 if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
                     log.warning("%s; reading the durable copy of %s instead", exc, self.url)
-                durable = Location(self.url, self.storage_options, session=self._session)
-                self._manifest = durable.read_manifest()
-                self.manifest_tier = DURABLE
-            # the durable side of the checkpoint: where chunks memory lacks are read
-            self._location = Location.for_manifest(self.url, self.storage_options, self._manifest,
-                                                   session=self._session)
+                self._use(Location(self.url, self.storage_options, session=self._session).read_manifest(),
+                          DURABLE)
         return self._manifest
+
+    def _use(self, manifest: Manifest, tier: str) -> None:
+        self._manifest, self.manifest_tier = manifest, tier
+        # the durable side of the checkpoint: where chunks memory lacks are read
+        self._location = Location.for_manifest(self.url, self.storage_options, manifest, session=self._session)
 
     @property
     def chunks(self) -> TieredChunkSource:
@@ -166,12 +200,16 @@ class TieredReader(TurboReader):
     def bytes_from_peers(self) -> int:
         return self._source.bytes_from_peers if self._source is not None else 0
 
-    def manifest_bytes(self) -> bytes:
-        """The stored bytes of the manifest this reader read (to hand to a rank that lacks it)."""
-        where = Location(self.memory_url if self.manifest_tier == MEMORY else self.url,
-                         None if self.manifest_tier == MEMORY else self.storage_options,
-                         session=self._session)
-        return where.store.get(where.manifest_path)
+    def memory_manifest_bytes(self) -> bytes | None:
+        """The stored bytes of the manifest in this node's memory tier, to hand to ranks
+        whose node lacks it; None when they cannot be read (those ranks then read the
+        tiers themselves: this rank must take part in the hand-over either way)."""
+        memory = Location(self.memory_url, session=self._session)
+        try:
+            return memory.store.get(memory.manifest_path)
+        except (CkptTurboError, OSError) as exc:
+            log.warning("cannot hand the manifest of %s to the ranks that lack it: %s", self.url, exc)
+            return None
 
     def adopt_manifest(self, data: bytes) -> None:
         """Keep the manifest another rank read (checked against its own checksum) in this
@@ -199,18 +237,16 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
     both tiers when none can be assembled."""
     wait_for_saves(url, under=True)
+    lists_durable = group is None or dist.get_rank(group) == 0
     found = agree(group, f"listing the tiers of {url}",
-                  lambda: _candidates(session, url, tiers, storage_options))
+                  lambda: _candidates(session, url, tiers, storage_options, lists_durable))
     run, names = _agreed_candidates(found)
-    nodes = Nodes(group, tiers.node_name)
+    nodes = Nodes(group, tiers.node_name, [f.node for f in found])
     for name in names:
         checkpoint = f"{run}/{name}"
         reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
                               peers=nodes, session=session, **reader_options)
-        problems = agree(group, f"reading the manifest of {checkpoint}",
-                         lambda: _manifest_problem(reader))
-        if any(problems):
-            problems = _share_manifest(reader, problems, nodes, checkpoint)
+        problems = _read_manifests(reader, nodes, [name in f.in_memory for f in found], checkpoint)
         if any(problems):
             log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
             continue
@@ -228,60 +264,116 @@ def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[s
     raise CheckpointNotFound(
         f"no checkpoint of {run} can be assembled from the memory tiers {tiers.memory_run(run)} "
         f"of the nodes {', '.join(nodes.order)} or the durable store "
-        f"({len(found[nodes.rank][1])} found on this rank)")
+        f"({len(found[nodes.rank].created)} found on this rank)")
 
 
-def _agreed_candidates(found: list[tuple[str, dict[str, float], bool]]) -> tuple[str, list[str]]:
+def _agreed_candidates(found: list[_Found]) -> tuple[str, list[str]]:
     """(run, names newest first) from every rank's ``_candidates``: the checkpoint when a
     rank found one at the URL itself, else every checkpoint some rank found."""
-    for run, names, at_url in found:
-        if at_url:
-            return run, list(names)
-    return found[0][0], newest_first([names for _, names, _ in found])
+    for f in found:
+        if f.at_url:
+            return f.run, list(f.created)
+    return found[0].run, newest_first([f.created for f in found])
 
 
-def _share_manifest(reader: TieredReader, problems: list[str | None], nodes: Nodes,
+def _read_manifests(reader: TieredReader, nodes: Nodes, in_memory: list[bool],
                     checkpoint: str) -> list[str | None]:
-    """Ranks that could not read the manifest get it from the first rank that could (every
-    rank takes part); returns every rank's problem after adopting it."""
-    source = next((r for r, p in enumerate(problems) if p is None), None)
-    if source is None:
-        return problems
-    data = nodes.share(reader.manifest_bytes() if nodes.rank == source else None, source)
-    return agree(nodes.group, f"adopting the manifest of {checkpoint}",
-                 lambda: None if problems[nodes.rank] is None else reader.adopt_manifest(data))
+    """Every rank reads the checkpoint's manifest (collective; returns every rank's
+    problem, None where it has it): from its node's memory tier when the listing found it
+    there (``in_memory``, by rank), else from the first rank whose memory holds it, else
+    from the durable store. A peer's memory is nearer than the durable store, and the copy
+    a rank adopts into its node's memory names the chunks peers then copy in. One gather
+    when no rank lacks it; a broadcast before it when some do."""
+    shared = None
+    if any(in_memory) and not all(in_memory):
+        source = in_memory.index(True)
+        shared = nodes.share(reader.memory_manifest_bytes() if nodes.rank == source else None, source)
+    adopt = shared if not in_memory[nodes.rank] else None
+    return agree(nodes.group, f"reading the manifest of {checkpoint}", lambda: _manifest_problem(reader, adopt))
 
 
-def _manifest_problem(reader: TieredReader) -> str | None:
+def _manifest_problem(reader: TieredReader, shared: bytes | None) -> str | None:
+    """Why this rank cannot read the manifest (None when it has): ``shared``, a peer's
+    memory copy, is adopted when given and sound, else this node's memory copy or the
+    durable one is read."""
     try:
+        if shared is not None:
+            try:
+                reader.adopt_manifest(shared)
+                return None
+            except FormatError as exc:  # damaged on the way: the tiers may have a sound one
+                log.warning("%s; reading it from the tiers instead", exc)
         reader.read_manifest()
     except (CheckpointNotFound, FormatError) as exc:
         return str(exc)
     return None
 
 
-def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None
-                ) -> tuple[str, dict[str, float], bool]:
-    """(run, {name: created}, found at the URL) of what this rank can find: ``url`` alone
+@dataclass(frozen=True)
+class _Found:
+    """What one rank found in the tiers (``_candidates``): the run, {name: created} of its
+    checkpoints, whether a checkpoint was found at the URL itself, the rank's node, and
+    the names whose manifest the node's memory tier holds (readable)."""
+
+    run: str
+    created: dict[str, float]
+    at_url: bool
+    node: str
+    in_memory: frozenset[str]
+
+
+def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
+                lists_durable: bool) -> _Found:
+    """What this rank can find: ``url`` alone
     when a tier holds a manifest there (readable or not: the load decides), else every
-    checkpoint of the run ``url`` in either tier."""
+    checkpoint of the run ``url`` in this node's memory tier. Only the rank that
+    ``lists_durable`` asks the durable store (the same store for every rank: one rank's
+    answer is everyone's, and a request through an object store's latency per rank is
+    most of a listing's time)."""
     try:
         run, name = split_checkpoint(url)
-        locations = [Location(tiers.memory_url(url), session=session),
-                     Location(url, storage_options, session=session)]
+        locations = [Location(tiers.memory_url(url), session=session)]
+        if lists_durable:
+            locations.append(Location(url, storage_options, session=session))
     except CkptTurboError:
         locations = []  # no parent to hold a chunk store: a run
+    node = tiers.node_name
     for location in locations:
         if location.store.exists(location.manifest_path):
+            in_memory = frozenset({name}) if location is locations[0] else frozenset()
             try:
-                return run, {name: location.read_manifest().created}, True
+                return _Found(run, {name: location.read_manifest().created}, True, node, in_memory)
             except FormatError:
-                return run, {name: 0.0}, True
+                return _Found(run, {name: 0.0}, True, node, frozenset())
     run = url.rstrip("/")
-    found = {c.name: c.created for c in catalog.list_checkpoints(run, storage_options, session=session)}
-    memory = catalog.list_checkpoints(tiers.memory_run(run), session=session)
-    found.update({c.name: c.created for c in memory})
-    return run, found, False
+    found = {c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)}
+    in_memory = frozenset(found)
+    if lists_durable:
+        found.update(_durable_checkpoints(session, run, storage_options, known=in_memory))
+    return _Found(run, found, False, node, in_memory)
+
+
+def _durable_checkpoints(session: Session, run: str, storage_options: dict[str, Any] | None,
+                         known: Iterable[str]) -> dict[str, float]:
+    """{name: created} of the durable run's committed checkpoints that are not in
+    ``known``: one listing, then the manifests of the others read in parallel (a name this
+    node's memory holds is the same checkpoint, persisted: its time is known, and reading
+    each manifest in turn through an object store's latency is what made listing slow).
+    An unreadable manifest is logged and left out, as ``ckptturbo ls`` does."""
+    store = Store(run, storage_options, session=session)
+    skip = {CONTROL_DIR, *known}
+    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in skip]
+
+    def created(name: str) -> float | None:
+        try:
+            return Location(f"{run}/{name}", storage_options, session=session).read_manifest().created
+        except CheckpointNotFound:
+            return None  # deleted since the listing: it no longer exists
+        except FormatError as exc:
+            log.warning("checkpoint %s/%s is unreadable: %s", run, name, exc)
+            return None
+
+    return {n: t for n, t in zip(names, store.map(created, names)) if t is not None}
 
 
 def newest_first(found: list[dict[str, float]]) -> list[str]:

@@ -160,7 +160,7 @@ def _replicate(url: str, memory: Location, manifest: Manifest, k: int, nodes: No
     run = memory.run
     held = peers.holdings(nodes, run.chunk_ids, list(manifest.chunks))
     copies = peers.plan_replicas(manifest.chunks, held, nodes.order, nodes.leaders, k) if k else []
-    peers.exchange(nodes, copies, lambda cid, out: run.store.get_into(run.chunk_path(cid), out),
+    peers.exchange(nodes, copies, lambda cid, nbytes: peers.tier_chunk(run, cid, nbytes),
                    lambda cid, data: run.store.put(run.chunk_path(cid), data),
                    f"replicating {url}")
     return Replicated(copies=min(1 + k, len(nodes.order)), chunks_sent=len(copies),

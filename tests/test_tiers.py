@@ -181,6 +181,22 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
         assert recovered.url == f"{run}/step-2", (rank, recovered)
         assert torch.equal(out[f"w{rank}"], own[2][f"w{rank}"])
         assert (recovered.bytes_from_durable > 0) == (rank == 1)
+        assert recovered.manifest_tier == "memory"  # node 1 adopted node 0's copy, not the durable one
+
+        # a chunk the holder cannot read (truncated in node 0's memory): it is sent as zeros,
+        # so neither rank waits for the other, and both fail naming the cause
+        dist.barrier()
+        if rank == 0:
+            chunks = Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks"
+            path = next(p for p in chunks.rglob("*") if p.is_file() and p.stat().st_size == 200_000
+                        and torch.equal(torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.float32),
+                                        own[3]["w0"]))
+            path.write_bytes(path.read_bytes()[:1000])
+        dist.barrier()
+        out = {"w0": torch.zeros(50_000)} if rank == 1 else {}
+        with pytest.raises(ct.CkptTurboError) as failed:
+            s.load(out, f"{run}/step-3", storage_options=opts, tiers=tiers, strict=False)
+        assert "cannot be read" in str(failed.value), str(failed.value)  # the cause, on both
 
 
 def test_two_nodes_each_hold_their_own_chunks_and_every_manifest(tmp_path, s3_server):
@@ -242,8 +258,8 @@ def test_a_lost_node_recovers_from_its_peers_replicas_without_reading_the_durabl
     results = run_distributed(_recover_on_nodes, 4, run, opts, memory, timeout=240)
     for rank, (recovered, exact) in enumerate(results):
         assert exact and recovered.url == f"{run}/step-3"  # never persisted: from memory only
-        assert recovered.bytes_from_durable == 0
-        assert (recovered.bytes_from_peers > 0) == (rank == 2)  # node 1's leader received
+        assert recovered.bytes_from_durable == 0 and recovered.manifest_tier == "memory"
+        assert (recovered.bytes_from_peers > 0) == (rank in (2, 3))  # node 1's ranks received
     assert (Path(memory) / "node1").is_dir()  # the restarted node holds its chunks again
 
     shutil.rmtree(memory)  # every node is lost: the newest durable checkpoint loads
@@ -266,9 +282,12 @@ def test_peer_plans_place_copies_on_other_nodes_and_spread_uploads():
     assert plan_replicas(chunks, held, order, leaders, 5) == two  # capped at one copy per node
     assert plan_replicas(chunks, {"n0": {a}}, ["n0"], {"n0": 0}, 1) == []  # one node: nowhere
 
-    lacking = {"n1": {a, c}, "n0": set()}
-    assert plan_fetches(chunks, lacking, held, leaders) == [Copy(a, 10, 0, 2), Copy(c, 30, 4, 2)]
-    assert plan_fetches({**chunks, "d" * 64: 1}, {"n1": {"d" * 64}}, held, leaders) == []  # durable
+    nodes = ["n0", "n0", "n1", "n1", "n2", "n2"]
+    lacking = {3: {a, c}, 2: {c}, 0: set()}  # each chunk once per node, to its lowest needer
+    assert plan_fetches(chunks, lacking, nodes, held) == [Copy(a, 10, 0, 3), Copy(c, 30, 4, 2)]
+    assert plan_fetches({**chunks, "d" * 64: 1}, {2: {"d" * 64}}, nodes, held) == []  # durable
+    both = plan_fetches(chunks, {0: {b}, 4: {b}, 5: {a}}, nodes, {"n0": {a}, "n1": {b}})
+    assert both == [Copy(b, 20, 2, 0), Copy(a, 10, 0, 5), Copy(b, 20, 3, 4)]  # a node's ranks share sending
     share = spread(chunks, held)
     assert sorted(x for v in share.values() for x in v) == sorted(chunks)  # each chunk once
     assert share["n0"] == [a] and share["n1"] == [b] and share["n2"] == [c]
