@@ -50,7 +50,7 @@ from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgr
 from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
 from .session import pending_saves, url_key, wait_for_saves
-from .store import Store
+from .store import TEMP_PREFIX, Store
 
 if TYPE_CHECKING:
     from .session import Session
@@ -335,14 +335,19 @@ def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
 
 
 def _sweep(run: RunStore, referenced: set[str], dry_run: bool, grace_seconds: float) -> GcReport:
-    """Delete the store's chunks not in ``referenced`` (older than the grace period)."""
+    """Delete the store's chunks not in ``referenced`` (older than the grace period).
+
+    A local write's temporary file is a chunk on its way in (a replica a peer is sending
+    into a memory tier holds no save marker); it goes only once older than a lease, when
+    its writer is gone."""
     store, now = run.store, time.time()
     doomed, kept_recent, doomed_bytes = [], 0, 0
     for info in store.list_files(run.chunks_root):
         cid = info.path.rsplit("/", 1)[-1]
         if cid in referenced:
             continue
-        if info.mtime is not None and now - info.mtime < grace_seconds:
+        grace = pending_lease() if cid.startswith(TEMP_PREFIX) else grace_seconds
+        if info.mtime is not None and now - info.mtime < grace:
             kept_recent += 1
             continue
         doomed.append(info.path)

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# A local write goes to a file of this name beside its target, then is renamed over it
+TEMP_PREFIX = ".tmp-"
+
 # Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
 # redundant CPU work on both sides; it is computed only where S3 requires it. Retries are
 # ours (RetryPolicy.call, bounded by a deadline), so botocore makes one attempt per call.
@@ -230,7 +233,7 @@ class Store:
     def _put_local(self, path: str, data: bytes | bytearray | memoryview, durable: bool) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

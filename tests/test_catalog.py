@@ -48,6 +48,24 @@ def test_delete_then_gc_keeps_chunks_of_other_checkpoints(tmp_path):
         ct.load({k: torch.zeros_like(v) for k, v in a.items()}, str(run / "a"))
 
 
+def test_gc_leaves_a_chunk_on_its_way_in_alone(tmp_path):
+    """A local write's temporary file (a replica arriving in a memory tier holds no save
+    marker) is kept while younger than a lease; one older than that was left by a writer
+    that died, and goes."""
+    run = tmp_path / "run"
+    ct.save(tensors(3), str(run / "a")).wait(timeout=60)
+    shard = next(p for p in (run / ".ckptturbo" / "chunks").iterdir() if p.is_dir())
+    arriving, abandoned = shard / ".tmp-arriving", shard / ".tmp-abandoned"
+    arriving.write_bytes(b"x" * 100)
+    abandoned.write_bytes(b"y" * 100)
+    old = time.time() - lease.pending_lease() - 1
+    os.utime(abandoned, (old, old))
+    report = catalog.collect_garbage(str(run))
+    assert arriving.exists() and not abandoned.exists()
+    assert report.deleted == 1 and report.kept_recent == 1
+    assert load_equal(str(run / "a"), tensors(3))
+
+
 def test_gc_refuses_while_a_save_is_pending(tmp_path):
     run = tmp_path / "run"
     ct.save(tensors(1), str(run / "a")).wait(timeout=60)
