@@ -33,12 +33,14 @@ class StreamFile:
 
 
 def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_size: int,
-                 budget: MemoryBudget | None = None) -> StreamFile:
+                 budget: MemoryBudget | None = None, head: bytes | None = None) -> StreamFile:
     """One ranged GET of the first ``probe`` bytes; a second only if the header is longer.
 
     Headers are cached (keyed by the object's identity) when the source has a cache, so a
     second load parses them without any request. With a ``budget``, a kept tail stays
     reserved in it: the caller serves reads from it and releases what it does not use.
+    ``head``: the first GET's bytes when the caller made it already (``safe_open`` makes it
+    alongside the HEAD that gives ``entry``, to save a round trip).
     """
     cached = source.cached_header(entry)
     if cached is not None:
@@ -48,7 +50,8 @@ def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_si
     if budget is not None:
         budget.acquire(first)
     try:
-        head = source.get(entry, 0, first, cacheable=False)
+        if head is None:
+            head = source.get(entry, 0, first, cacheable=False)
         n = header_length(head[:8], source.url_of(entry), file_size=entry.size,
                           max_header_size=max_header_size)
         if 8 + n <= len(head):

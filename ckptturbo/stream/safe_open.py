@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import HEADER_PROBE, fetch_header
-from .readahead import ReadAhead, guess_order
+from .readahead import ReadAhead, guess_order, plan_reads
 from .source import ByteSource, FileEntry, open_store
 
 log = logging.getLogger(__name__)
@@ -197,16 +197,27 @@ class SafeOpen:
         self._ahead: ReadAhead | None = None
         with _as_safetensors_error():
             refuse_pickle_name(self.name)
-        self._source = ByteSource(open_store(self.name, storage_options, streams), None)
+        store = open_store(self.name, storage_options, streams)
+        self._source = ByteSource(store, None, part_helpers=streams)
         try:
-            store = self._source.store
-            info = store.info(store.root)
-            entry = FileEntry(info.path, info.size, info.mtime)
+            # the HEAD (size, for the header's checks) and the header GET in one round trip
+            info = store.submit(store.info, store.root)
+            try:
+                head = self._source.get(FileEntry(store.root, 0, None), 0, HEADER_PROBE,
+                                        cacheable=False)
+            finally:
+                stat = info.result()
+            entry = FileEntry(stat.path, stat.size, stat.mtime)
             self._source.register([entry])
             with _as_safetensors_error():
-                self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size)
+                self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size,
+                                          head=head)
         except CheckpointNotFound as exc:  # safetensors' words: callers match on them
+            self._source.close()
             raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
+        except BaseException:
+            self._source.close()
+            raise
         self._entry = entry
 
     def _header(self) -> Header:
@@ -265,12 +276,14 @@ class SafeOpen:
         by_name = self._file.header.by_name
         tensors = [by_name[n] for n in order
                    if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
-        if tensors:
-            self._ahead = ReadAhead(tensors, self._entry.path,
-                                    lambda r: self._source.get(self._entry, r.start, r.end, cacheable=False),
-                                    self._source.store.submit, self.memory_limit, self.chunk_size,
-                                    self.streams)
-        return None
+        piece = max(1, min(self.chunk_size, self.memory_limit // 4))
+        plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit)
+        if not plan:
+            return None
+        self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
+                                self.memory_limit, self.streams)
+        slot = self._ahead.position(info.name)
+        return None if slot is None else self._ahead.take(slot)
 
     def _in_tail(self, start: int, end: int) -> bool:
         return self._file.tail is not None and end <= self._file.probe_end
@@ -345,6 +358,7 @@ class SafeOpen:
     def close(self) -> None:
         self._closed = True
         self._stop_ahead()
+        self._source.close()
 
     def __enter__(self) -> SafeOpen:
         return self
