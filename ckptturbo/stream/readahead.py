@@ -37,17 +37,17 @@ SKIP_AHEAD = 8  # a call this many tensors ahead of the order still follows it (
 Plan = list[tuple[TensorInfo, list[Read]]]  # tensors in call order, each with the reads covering it
 
 
-def guess_order(calls: Sequence[str], orders: Sequence[Sequence[str]]) -> list[str] | None:
-    """The order the calls follow, from the last call on: the rest of the first of
-    ``orders`` that starts with ``calls[0]`` or has ``calls[-2:]`` as neighbours."""
-    for order in orders:
+def guess_order(calls: Sequence[str], orders: Sequence[Sequence[str]]) -> tuple[int, list[str]] | None:
+    """Which of ``orders`` the calls follow, and its rest from the last call on: the first
+    that starts with ``calls[0]`` or has ``calls[-2:]`` as neighbours."""
+    for k, order in enumerate(orders):
         if len(calls) == 1 and order and order[0] == calls[0]:
-            return list(order)
+            return k, list(order)
         if len(calls) >= 2:
             at = {name: i for i, name in enumerate(order)}
             i, j = at.get(calls[-2]), at.get(calls[-1])
             if i is not None and j == i + 1:
-                return list(order[j:])
+                return k, list(order[j:])
     return None
 
 
@@ -155,16 +155,17 @@ class ReadAhead:
     """Fetches ``tensors`` in order, ahead of the calls; :meth:`take` hands over each one."""
 
     def __init__(self, plan: Plan, fetch: Callable[[Read], object], submit: Callable,
-                 memory_limit: int, streams: int) -> None:
-        """``plan``: from :func:`plan_reads`; ``fetch`` returns a read's bytes (or its
-        part GETs' bodies, which :class:`~.device.Scatter` takes as they are)."""
+                 budget: MemoryBudget, streams: int) -> None:
+        """``plan``: from :func:`plan_reads` (within ``budget.limit``); ``fetch`` returns a
+        read's bytes (or its part GETs' bodies, which :class:`~.device.Scatter` takes as
+        they are)."""
         self._names = [t.name for t, _ in plan]
         self._reads = sorted({r.index: r for _, rs in plan for r in rs}.values(), key=lambda r: r.index)
         self._covering = [rs for _, rs in plan]
         self._last_use = {r.index: slot for slot, (_, rs) in enumerate(plan) for r in rs}
         self._scatter = Scatter(plan)
         self._cursor = 0
-        self.budget = MemoryBudget(memory_limit)
+        self.budget = budget
         self._prefetcher = Prefetcher(self._reads, fetch, submit, self.budget, streams=streams,
                                       lookahead=None, deliver=self._scatter.deliver)
         self._prefetcher.start()
@@ -188,6 +189,16 @@ class ReadAhead:
             self._scatter.take(s)  # skipped: dropped
         self._cursor = slot + 1
         return self._scatter.take(slot)
+
+    def pump(self) -> None:
+        """Issue the reads that fit now (the budget is shared: see :mod:`.nextfile`)."""
+        self._prefetcher.start()
+
+    @property
+    def issued_all(self) -> bool:
+        """Every read has gone out (they go in order): requests will soon be idle."""
+        last = self._reads[-1] if self._reads else None
+        return last is None or last.reserved or last.done.is_set()
 
     @property
     def done(self) -> bool:

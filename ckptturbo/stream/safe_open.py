@@ -14,17 +14,19 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 
 from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
+from ..prefetch import MemoryBudget
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
-from .headers import HEADER_PROBE, fetch_header
+from .headers import open_file
+from .nextfile import NextFile, claim, start_next
 from .readahead import ReadAhead, guess_order, plan_reads
-from .source import ByteSource, FileEntry, open_store
+from .source import ByteSource, open_store
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -195,30 +197,33 @@ class SafeOpen:
         self._closed = False
         self._calls: list[str] | None = [] if read_ahead else None  # until an order is known
         self._ahead: ReadAhead | None = None
+        self._budget = MemoryBudget(memory_limit)
+        self._storage_options = storage_options
+        self._settings = (chunk_size, streams, max_header_size, memory_limit)
+        self._next: NextFile | None = None  # the next shard, opened ahead by this handle
+        self._next_tried = False
+        self._order_of: Callable[[Header], list[str]] = _sorted_names  # the order the calls follow
+        self._adopted: tuple[list[str], ReadAhead | None] | None = None  # from the one before
         with _as_safetensors_error():
             refuse_pickle_name(self.name)
-        store = open_store(self.name, storage_options, streams)
-        self._source = ByteSource(store, None, part_helpers=streams)
-        try:
-            # the HEAD (size, for the header's checks) and the header GET in one round trip
-            info = store.submit(store.info, store.root)
+        adopted = claim(self.name, self._settings, storage_options) if read_ahead else None
+        if adopted is not None:
+            self._source, self._file, order, ahead = adopted
+            self._adopted = order, ahead
+            self._budget = ahead.budget if ahead is not None else self._budget
+        else:
+            self._source = ByteSource(open_store(self.name, storage_options, streams), None,
+                                      part_helpers=streams)
             try:
-                head = self._source.get(FileEntry(store.root, 0, None), 0, HEADER_PROBE,
-                                        cacheable=False)
-            finally:
-                stat = info.result()
-            entry = FileEntry(stat.path, stat.size, stat.mtime)
-            self._source.register([entry])
-            with _as_safetensors_error():
-                self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size,
-                                          head=head)
-        except CheckpointNotFound as exc:  # safetensors' words: callers match on them
-            self._source.close()
-            raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
-        except BaseException:
-            self._source.close()
-            raise
-        self._entry = entry
+                with _as_safetensors_error():
+                    self._file = open_file(self._source, max_header_size)
+            except CheckpointNotFound as exc:  # safetensors' words: callers match on them
+                self._source.close()
+                raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
+            except BaseException:
+                self._source.close()
+                raise
+        self._entry = self._file.entry
 
     def _header(self) -> Header:
         if self._closed:
@@ -228,11 +233,11 @@ class SafeOpen:
 
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
-        return sorted(self._header().by_name)
+        return _sorted_names(self._header())
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their bytes in the file."""
-        return [t.name for t in self._header().tensors]
+        return _offset_names(self._header())
 
     def metadata(self) -> dict[str, str] | None:
         metadata = self._header().metadata
@@ -257,7 +262,7 @@ class SafeOpen:
         if self._ahead is not None:
             slot = self._ahead.position(info.name)
             if slot is not None:
-                return self._ahead.take(slot)
+                return self._take(slot)
             if not self._in_tail(info.start, info.end):
                 log.debug("%s: %r is out of the read-ahead's order: reading per call",
                           self.name, info.name)
@@ -267,23 +272,47 @@ class SafeOpen:
         if self._calls is None or self._source.store.is_local:
             return None
         self._calls.append(info.name)
-        order = guess_order(self._calls, [self.keys(), self.offset_keys()])
-        if order is None:
+        guess = guess_order(self._calls, [self.keys(), self.offset_keys()])
+        if guess is None:
             if len(self._calls) >= 2:
                 self._calls = None  # no order to follow
+                self._drop_adopted()
             return None
         self._calls = None
-        by_name = self._file.header.by_name
-        tensors = [by_name[n] for n in order
-                   if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
-        piece = max(1, min(self.chunk_size, self.memory_limit // 4))
-        plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit)
-        if not plan:
-            return None
-        self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
-                                self.memory_limit, self.streams)
-        slot = self._ahead.position(info.name)
-        return None if slot is None else self._ahead.take(slot)
+        self._order_of, order = _ORDERS[guess[0]], guess[1]
+        if self._adopted is not None and self._adopted[0] == order:
+            self._ahead = self._adopted[1]
+            self._adopted = None
+        else:
+            self._drop_adopted()
+            by_name = self._file.header.by_name
+            tensors = [by_name[n] for n in order
+                       if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
+            piece = max(1, min(self.chunk_size, self.memory_limit // 4))
+            plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit)
+            if plan:
+                self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
+                                        self._budget, self.streams)
+        slot = None if self._ahead is None else self._ahead.position(info.name)
+        return None if slot is None else self._take(slot)
+
+    def _take(self, slot: int) -> torch.Tensor:
+        """Tensor ``slot`` of the read-ahead; once all its reads have gone out, the next
+        shard is opened ahead (see :mod:`.nextfile`), or told that bytes were released."""
+        assert self._ahead is not None
+        raw = self._ahead.take(slot)
+        if self._next is not None:
+            self._next.pump()
+        elif not self._next_tried and self._ahead.issued_all:
+            self._next_tried = True
+            self._next = start_next(self.name, self._settings, self._storage_options,
+                                    self._budget, self._order_of)
+        return raw
+
+    def _drop_adopted(self) -> None:
+        if self._adopted is not None and self._adopted[1] is not None:
+            self._adopted[1].close()
+        self._adopted = None
 
     def _in_tail(self, start: int, end: int) -> bool:
         return self._file.tail is not None and end <= self._file.probe_end
@@ -358,13 +387,28 @@ class SafeOpen:
     def close(self) -> None:
         self._closed = True
         self._stop_ahead()
+        self._drop_adopted()
         self._source.close()
+        if self._next is not None:
+            self._next.orphan()
+            self._next = None
 
     def __enter__(self) -> SafeOpen:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _sorted_names(header: Header) -> list[str]:
+    return sorted(header.by_name)
+
+
+def _offset_names(header: Header) -> list[str]:
+    return [t.name for t in header.tensors]
+
+
+_ORDERS = (_sorted_names, _offset_names)  # the orders calls are followed in: keys(), offset_keys()
 
 
 def _framework(framework: str, name: str) -> str:
