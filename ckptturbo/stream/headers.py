@@ -7,8 +7,9 @@ reads it covers, so no byte is fetched twice.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..prefetch import MemoryBudget, Read
 from .format import Header, header_length, parse_header
@@ -93,12 +94,13 @@ def tail_slices(f: StreamFile, reads: Sequence[Read], source: ByteSource,
     return served
 
 
-def open_file(source: ByteSource, max_header_size: int) -> StreamFile:
+def open_file(source: ByteSource, max_header_size: int,
+              submit: Callable[..., Future[Any]] | None = None) -> StreamFile:
     """The store's root object with its header: the HEAD (its size, for the header's
-    checks) and the first GET at once, one round trip instead of two. The entry is
-    registered with ``source``."""
+    checks) and the first GET at once, one round trip instead of two; the HEAD goes to
+    ``submit`` (the store's I/O threads by default). The entry is registered with ``source``."""
     store = source.store
-    info = store.submit(store.info, store.root)
+    info = (submit or store.submit)(store.info, store.root)
     try:
         head = source.get(FileEntry(store.root, 0, None), 0, HEADER_PROBE, cacheable=False)
     finally:

@@ -51,13 +51,14 @@ def guess_order(calls: Sequence[str], orders: Sequence[Sequence[str]]) -> tuple[
     return None
 
 
-def grid_plan(tensors: Sequence[TensorInfo], path: str, piece: int, streams: int) -> Plan:
+def grid_plan(tensors: Sequence[TensorInfo], path: str, piece: int, streams: int,
+              spread: int) -> Plan:
     """Reads on the file's offset grid, listed in the order the calls first need them.
 
-    The step spreads the needed bytes over ``streams`` requests (as the stream's grid
+    The step spreads ``spread`` bytes over ``streams`` requests (as the stream's grid
     does, within ``piece``); a sliver under a quarter step at a span's end joins the
     read before it."""
-    step = grid_step(sum(t.nbytes for t in tensors), piece, streams)
+    step = grid_step(spread, piece, streams)
     reads: list[Read] = []
     for a, b in intervals(tensors):
         pos = a
@@ -89,12 +90,11 @@ def grid_plan(tensors: Sequence[TensorInfo], path: str, piece: int, streams: int
 
 
 def ordered_reads(tensors: Sequence[TensorInfo], path: str, piece: int,
-                  streams: int) -> Plan:
+                  streams: int, spread: int) -> Plan:
     """Reads for ``tensors`` in this order: runs of neighbours (each starting where the last
     ended) cut into pieces, smaller at first; each tensor with the reads that cover it.
     Each read serves consecutive calls, so it is held only while they are made."""
-    total = sum(t.nbytes for t in tensors)
-    step = grid_step(total, piece, streams)
+    step = grid_step(spread, piece, streams)
     plan: Plan = []
     reads: list[Read] = []
     size = min(RAMP_START, step)
@@ -140,11 +140,18 @@ def peak_held(plan: Plan) -> int:
 
 
 def plan_reads(tensors: Sequence[TensorInfo], path: str, piece: int, streams: int,
-               memory_limit: int) -> Plan | None:
+               memory_limit: int, files: int = 1) -> Plan | None:
     """The grid plan if it fits ``memory_limit`` at every call, else the call-order plan
-    if that fits, else None (reading ahead would stall: per-call reads instead)."""
+    if that fits, else None (reading ahead would stall: per-call reads instead).
+
+    Ranges spread the bytes in flight over the ``streams`` requests: this file's, or with
+    ``files`` shards read one after another (ahead into the next, :mod:`.nextfile`) the
+    whole model's, estimated as ``files`` times this one's, as the stream spreads the
+    whole stream's (16 MiB ranges rather than 4 for 4 shards of 128 MiB: a third of the
+    requests, each costing milliseconds of CPU)."""
+    spread = files * sum(t.nbytes for t in tensors)
     for make in (grid_plan, ordered_reads):
-        plan = make(tensors, path, piece, streams)
+        plan = make(tensors, path, piece, streams, spread)
         if peak_held(plan) <= memory_limit:
             return plan
         log.debug("%s: a %s read-ahead would hold over %d bytes", path, make.__name__, memory_limit)

@@ -24,7 +24,7 @@ from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchEr
 from ..prefetch import MemoryBudget
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import open_file
-from .nextfile import NextFile, claim, start_next
+from .nextfile import NextFile, claim, shard_count, start_next
 from .readahead import ReadAhead, guess_order, plan_reads
 from .source import ByteSource, open_store
 
@@ -208,9 +208,10 @@ class SafeOpen:
             refuse_pickle_name(self.name)
         adopted = claim(self.name, self._settings, storage_options) if read_ahead else None
         if adopted is not None:
-            self._source, self._file, order, ahead = adopted
-            self._adopted = order, ahead
-            self._budget = ahead.budget if ahead is not None else self._budget
+            assert adopted.file is not None
+            self._source, self._file, self._budget = adopted.source, adopted.file, adopted.budget
+            self._adopted = adopted.order, adopted.ahead
+            self._next, self._next_tried = adopted.next, adopted.next_tried
         else:
             self._source = ByteSource(open_store(self.name, storage_options, streams), None,
                                       part_helpers=streams)
@@ -289,7 +290,8 @@ class SafeOpen:
             tensors = [by_name[n] for n in order
                        if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
             piece = max(1, min(self.chunk_size, self.memory_limit // 4))
-            plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit)
+            plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit,
+                              shard_count(self.name))
             if plan:
                 self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
                                         self._budget, self.streams)
@@ -297,16 +299,17 @@ class SafeOpen:
         return None if slot is None else self._take(slot)
 
     def _take(self, slot: int) -> torch.Tensor:
-        """Tensor ``slot`` of the read-ahead; once all its reads have gone out, the next
-        shard is opened ahead (see :mod:`.nextfile`), or told that bytes were released."""
+        """Tensor ``slot`` of the read-ahead. Once all its reads have gone out (before
+        waiting: requests free up from then on), the next shard is opened ahead (see
+        :mod:`.nextfile`); after the take, it may issue what the released bytes allow."""
         assert self._ahead is not None
-        raw = self._ahead.take(slot)
-        if self._next is not None:
-            self._next.pump()
-        elif not self._next_tried and self._ahead.issued_all:
+        if not self._next_tried and self._ahead.issued_all:
             self._next_tried = True
             self._next = start_next(self.name, self._settings, self._storage_options,
                                     self._budget, self._order_of)
+        raw = self._ahead.take(slot)
+        if self._next is not None:
+            self._next.pump()
         return raw
 
     def _drop_adopted(self) -> None:
