@@ -172,11 +172,15 @@ class SafeOpen:
     ``get_tensors`` reads the whole data section that way; ``get_slice(name)[a:b]``
     fetches only rows a..b. Small tensors inside the first GET are served from its bytes.
 
-    Remote files are read ahead once the ``get_tensor`` calls follow ``keys()`` or the
-    file's order (the first call is the first name, or two calls are neighbours): the
-    following tensors are fetched in that order, ``streams`` GETs at a time within
+    Opening makes the HEAD and the header GET at once. Remote files are read ahead once
+    the ``get_tensor`` calls follow ``keys()`` or the file's order (the first call is the
+    first name, or two calls are neighbours): that tensor and the following ones are
+    fetched in that order in large ranges, ``streams`` GETs at a time within
     ``memory_limit`` (see :mod:`.readahead`), so ``for k in f.keys(): f.get_tensor(k)``
-    streams. A call out of that order stops it. ``read_ahead=False`` never starts it.
+    streams. A call out of that order stops it. For a shard named
+    ``NAME-00001-of-00004.safetensors`` the next shards are then opened and read ahead
+    too, within the same ``memory_limit``, for the ``safe_open`` that follows (see
+    :mod:`.nextfile`). ``read_ahead=False`` does neither.
     """
 
     def __init__(self, filename: str | os.PathLike[str], framework: str = "pt",
