@@ -7,11 +7,15 @@ where the stream keeps its requests in flight across files. Sharded checkpoints 
 ``NAME-00001-of-00004.safetensors`` and read in that order, so once a handle's read-ahead
 has issued its last range, :func:`start_next` opens the next shard in the background and
 reads it ahead in the order the handle's calls followed (``keys()`` or the offset order).
-Its reads count in a :class:`LinkedBudget`: while the parent handle reads, the two files'
-bytes together stay within the parent's ``memory_limit``. ``safe_open`` of that URL with
-the same settings adopts it (:func:`claim`); one that nobody opens within PARK_SECONDS of
-its parent's close is dropped, with its bytes. Nothing of it is visible to the caller:
-a failure (no such shard, a bad header) only means the next handle opens the usual way.
+Once its own reads are out it opens the shard after it in turn, so requests stay in
+flight across files as the stream's do. Its reads count in a :class:`LinkedBudget`: the
+bytes of the reading handle and of every shard opened ahead after it together stay
+within that handle's ``memory_limit``. ``safe_open`` of that URL with the same settings
+adopts it (:func:`claim`); one that nobody opens within PARK_SECONDS of its parent's
+close is dropped, with its bytes (and those of the shards after it). Nothing of it is
+visible to the caller: a failure (no such shard, a bad header) only means the next
+handle opens the usual way. Its HEAD and bytes are those of the object when it was read
+ahead, moments before the caller's open: an object replaced in between is read as it was.
 """
 from __future__ import annotations
 
