@@ -24,7 +24,10 @@ from ckptturbo.stream.calibrate import calibrate
 from ckptturbo.stream.profiles import PROFILES, load_saved
 from ckptturbo.stream.format import header_length, parse_header
 from ckptturbo.store import Store
-from ckptturbo.stream import safe_open, stream_safetensors
+from ckptturbo.stream import nextfile, safe_open, stream_safetensors
+from ckptturbo.stream.format import TensorInfo
+from ckptturbo.stream.nextfile import next_shard
+from ckptturbo.stream.readahead import grid_plan, peak_held, plan_reads
 from ckptturbo.testing.launcher import run_distributed
 
 MiB = 1 << 20
@@ -583,6 +586,73 @@ def test_safe_open_s3_call_out_of_order_stops_reading_ahead(s3_server, tmp_path)
         assert skipping._ahead is not None
         skipping.close()
     assert_same(got, {k: want[k] for k in got})
+
+
+def test_safe_open_read_ahead_plans_fit_the_budget_at_every_call():
+    def tensors(order, size=MiB):
+        return [TensorInfo(f"t{i}", "U8", (size,), i * size, (i + 1) * size) for i in order]
+
+    # the offset grid, in the order of the calls: ranges of 4 MiB, each held while needed
+    plan = plan_reads(tensors(range(7, -1, -1)), "f", 4 * MiB, 1, 4 * MiB)
+    assert [(r.start, r.end) for r in plan[0][1]] == [(4 * MiB, 8 * MiB)] and peak_held(plan) == 4 * MiB
+    # interleaved calls would hold both ranges at once: ranges that follow the calls instead
+    interleaved = tensors([0, 4, 1, 5, 2, 6, 3, 7])
+    assert peak_held(grid_plan(interleaved, "f", 4 * MiB, 1, 8 * MiB)) == 8 * MiB
+    plan = plan_reads(interleaved, "f", 4 * MiB, 1, 6 * MiB)
+    assert plan is not None and peak_held(plan) <= 6 * MiB
+    assert all(r.start >= t.start and r.end <= t.end for t, rs in plan for r in rs)
+    # a tensor larger than the budget cannot be read ahead: it is read per call
+    assert plan_reads(tensors([0], 8 * MiB), "f", MiB, 4, 4 * MiB) is None
+
+
+def _chain_held(f) -> int:
+    """Bytes held by a handle's read-ahead and the shards opened ahead after it."""
+    held, nxt = f._budget.held, f._next
+    while nxt is not None:
+        held, nxt = held + nxt.budget.held, nxt.next
+    return held
+
+
+def test_safe_open_s3_reads_the_next_shards_ahead_within_the_budget(s3_server, tmp_path):
+    want = sharded_model(str(tmp_path), nshards=3, size=2 * MiB)
+    url = upload_dir(s3_server, str(tmp_path))
+    limit, got, adopted = 4 * MiB, {}, []
+    for i in range(3):
+        with safe_open(f"{url}/model-{i + 1:05d}-of-00003.safetensors",
+                       storage_options=s3_server.storage_options, memory_limit=limit) as f:
+            adopted.append(f._adopted is not None)  # opened ahead by the handle before it
+            for k in f.keys():
+                got[k] = f.get_tensor(k)
+                assert _chain_held(f) <= limit
+            assert (f._next is not None) == (next_shard(f.name) is not None)
+    assert adopted == [False, True, True] and not nextfile._pending
+    assert_same(got, want)
+
+
+def test_safe_open_s3_next_shard_not_opened_is_dropped(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(nextfile, "PARK_SECONDS", 0.2)
+    want = sharded_model(str(tmp_path), nshards=3, size=2 * MiB)
+    os.remove(tmp_path / "model-00003-of-00003.safetensors")
+    url = upload_dir(s3_server, str(tmp_path))
+    shards = [f"{url}/model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    ahead = nextfile._pending[shards[1]]
+    deadline = time.monotonic() + 10
+    while shards[1] in nextfile._pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shards[1] not in nextfile._pending and ahead.budget.held == 0
+    # opened with other settings, the shard read ahead is not used; a missing one raises as usual
+    with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
+        got.update((k, f.get_tensor(k)) for k in f.keys())
+    with safe_open(shards[1], storage_options=s3_server.storage_options, streams=4) as f:
+        assert f._adopted is None
+        got.update((k, f.get_tensor(k)) for k in f.keys())
+        assert f._next is not None  # the third, opened ahead: it does not exist
+    with pytest.raises(FileNotFoundError, match="No such file or directory"):
+        safe_open(shards[2], storage_options=s3_server.storage_options, streams=4)
+    assert not nextfile._pending
+    assert_same(got, {k: v for k, v in want.items() if not k.startswith("layer2.")})
 
 
 # --- profiles and calibration ----------------------------------------------------------------

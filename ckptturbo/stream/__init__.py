@@ -7,7 +7,8 @@ header, its data tail kept), ``ranges`` (which byte ranges to read, in yield ord
 destinations), ``distributed`` (read once across ranks through ``ckptturbo.readonce``),
 ``options`` / ``profiles`` (settings, presets), ``calibrate`` (measure the best preset
 for a store), ``cache`` (the optional local-disk tier), ``safe_open`` (lazy single-file
-access) with ``readahead`` (its reads in the order of the calls).
+access) with ``readahead`` (its reads in the order of the calls) and ``nextfile`` (the
+next shards of a ``safe_open`` loop, read ahead before they are opened).
 """
 from .calibrate import calibrate
 from .iterator import SafetensorsStream, stream_safetensors

@@ -7,8 +7,9 @@ reads it covers, so no byte is fetched twice.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..prefetch import MemoryBudget, Read
 from .format import Header, header_length, parse_header
@@ -33,12 +34,14 @@ class StreamFile:
 
 
 def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_size: int,
-                 budget: MemoryBudget | None = None) -> StreamFile:
+                 budget: MemoryBudget | None = None, head: bytes | None = None) -> StreamFile:
     """One ranged GET of the first ``probe`` bytes; a second only if the header is longer.
 
     Headers are cached (keyed by the object's identity) when the source has a cache, so a
     second load parses them without any request. With a ``budget``, a kept tail stays
     reserved in it: the caller serves reads from it and releases what it does not use.
+    ``head``: the first GET's bytes when the caller made it already (``safe_open`` makes it
+    alongside the HEAD that gives ``entry``, to save a round trip).
     """
     cached = source.cached_header(entry)
     if cached is not None:
@@ -48,7 +51,8 @@ def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_si
     if budget is not None:
         budget.acquire(first)
     try:
-        head = source.get(entry, 0, first, cacheable=False)
+        if head is None:
+            head = source.get(entry, 0, first, cacheable=False)
         n = header_length(head[:8], source.url_of(entry), file_size=entry.size,
                           max_header_size=max_header_size)
         if 8 + n <= len(head):
@@ -88,3 +92,19 @@ def tail_slices(f: StreamFile, reads: Sequence[Read], source: ByteSource,
     budget.release(len(f.tail) - sum(r.size for r, _ in served))
     f.tail = None
     return served
+
+
+def open_file(source: ByteSource, max_header_size: int,
+              submit: Callable[..., Future[Any]] | None = None) -> StreamFile:
+    """The store's root object with its header: the HEAD (its size, for the header's
+    checks) and the first GET at once, one round trip instead of two; the HEAD goes to
+    ``submit`` (the store's I/O threads by default). The entry is registered with ``source``."""
+    store = source.store
+    info = (submit or store.submit)(store.info, store.root)
+    try:
+        head = source.get(FileEntry(store.root, 0, None), 0, HEADER_PROBE, cacheable=False)
+    finally:
+        stat = info.result()  # a missing object: its error, the one callers expect
+    entry = FileEntry(stat.path, stat.size, stat.mtime)
+    source.register([entry])
+    return fetch_header(source, entry, HEADER_PROBE, max_header_size, head=head)

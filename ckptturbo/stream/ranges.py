@@ -40,7 +40,7 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
     out: list[list[Read]] = []
     index = 0
     ramp: list[int] | None = None  # the ramp's cut points, in the stream's first file with data
-    spans = [_intervals(tensors) for tensors in wanted]
+    spans = [intervals(tensors) for tensors in wanted]
     total = sum(b - a for file_spans in spans for a, b in file_spans)
     for fi, (f, file_spans) in enumerate(zip(files, spans)):
         step = grid_step(total if whole_stream else sum(b - a for a, b in file_spans), piece, streams)
@@ -90,7 +90,9 @@ def _ramp(pos: int, step: int) -> list[int]:
     return cuts
 
 
-def _intervals(tensors: Sequence[TensorInfo]) -> list[tuple[int, int]]:
+def intervals(tensors: Sequence[TensorInfo]) -> list[tuple[int, int]]:
+    """The byte spans of ``tensors`` (any order; empty ones left out), by offset, reading
+    through gaps up to GAP_MERGE: a GET for the gap's bytes costs less than a round trip."""
     merged: list[list[int]] = []
     for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.start):
         if merged and t.start - merged[-1][1] <= GAP_MERGE:

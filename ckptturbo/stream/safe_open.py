@@ -14,17 +14,19 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 
 from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
+from ..prefetch import MemoryBudget
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
-from .headers import HEADER_PROBE, fetch_header
-from .readahead import ReadAhead, guess_order
-from .source import ByteSource, FileEntry, open_store
+from .headers import open_file
+from .nextfile import NextFile, claim, shard_count, start_next
+from .readahead import ReadAhead, guess_order, plan_reads
+from .source import ByteSource, open_store
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -170,11 +172,15 @@ class SafeOpen:
     ``get_tensors`` reads the whole data section that way; ``get_slice(name)[a:b]``
     fetches only rows a..b. Small tensors inside the first GET are served from its bytes.
 
-    Remote files are read ahead once the ``get_tensor`` calls follow ``keys()`` or the
-    file's order (the first call is the first name, or two calls are neighbours): the
-    following tensors are fetched in that order, ``streams`` GETs at a time within
+    Opening makes the HEAD and the header GET at once. Remote files are read ahead once
+    the ``get_tensor`` calls follow ``keys()`` or the file's order (the first call is the
+    first name, or two calls are neighbours): that tensor and the following ones are
+    fetched in that order in large ranges, ``streams`` GETs at a time within
     ``memory_limit`` (see :mod:`.readahead`), so ``for k in f.keys(): f.get_tensor(k)``
-    streams. A call out of that order stops it. ``read_ahead=False`` never starts it.
+    streams. A call out of that order stops it. For a shard named
+    ``NAME-00001-of-00004.safetensors`` the next shards are then opened and read ahead
+    too, within the same ``memory_limit``, for the ``safe_open`` that follows (see
+    :mod:`.nextfile`). ``read_ahead=False`` does neither.
     """
 
     def __init__(self, filename: str | os.PathLike[str], framework: str = "pt",
@@ -195,19 +201,34 @@ class SafeOpen:
         self._closed = False
         self._calls: list[str] | None = [] if read_ahead else None  # until an order is known
         self._ahead: ReadAhead | None = None
+        self._budget = MemoryBudget(memory_limit)
+        self._storage_options = storage_options
+        self._settings = (chunk_size, streams, max_header_size, memory_limit)
+        self._next: NextFile | None = None  # the next shard, opened ahead by this handle
+        self._next_tried = False
+        self._order_of: Callable[[Header], list[str]] = _sorted_names  # the order the calls follow
+        self._adopted: tuple[list[str], ReadAhead | None] | None = None  # from the one before
         with _as_safetensors_error():
             refuse_pickle_name(self.name)
-        self._source = ByteSource(open_store(self.name, storage_options, streams), None)
-        try:
-            store = self._source.store
-            info = store.info(store.root)
-            entry = FileEntry(info.path, info.size, info.mtime)
-            self._source.register([entry])
-            with _as_safetensors_error():
-                self._file = fetch_header(self._source, entry, HEADER_PROBE, max_header_size)
-        except CheckpointNotFound as exc:  # safetensors' words: callers match on them
-            raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
-        self._entry = entry
+        adopted = claim(self.name, self._settings, storage_options) if read_ahead else None
+        if adopted is not None:
+            assert adopted.file is not None
+            self._source, self._file, self._budget = adopted.source, adopted.file, adopted.budget
+            self._adopted = adopted.order, adopted.ahead
+            self._next, self._next_tried = adopted.next, adopted.next_tried
+        else:
+            self._source = ByteSource(open_store(self.name, storage_options, streams), None,
+                                      part_helpers=streams)
+            try:
+                with _as_safetensors_error():
+                    self._file = open_file(self._source, max_header_size)
+            except CheckpointNotFound as exc:  # safetensors' words: callers match on them
+                self._source.close()
+                raise CheckpointNotFound(f"No such file or directory: {self.name}") from exc
+            except BaseException:
+                self._source.close()
+                raise
+        self._entry = self._file.entry
 
     def _header(self) -> Header:
         if self._closed:
@@ -217,11 +238,11 @@ class SafeOpen:
 
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
-        return sorted(self._header().by_name)
+        return _sorted_names(self._header())
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their bytes in the file."""
-        return [t.name for t in self._header().tensors]
+        return _offset_names(self._header())
 
     def metadata(self) -> dict[str, str] | None:
         metadata = self._header().metadata
@@ -246,7 +267,7 @@ class SafeOpen:
         if self._ahead is not None:
             slot = self._ahead.position(info.name)
             if slot is not None:
-                return self._ahead.take(slot)
+                return self._take(slot)
             if not self._in_tail(info.start, info.end):
                 log.debug("%s: %r is out of the read-ahead's order: reading per call",
                           self.name, info.name)
@@ -256,21 +277,49 @@ class SafeOpen:
         if self._calls is None or self._source.store.is_local:
             return None
         self._calls.append(info.name)
-        order = guess_order(self._calls, [self.keys(), self.offset_keys()])
-        if order is None:
+        guess = guess_order(self._calls, [self.keys(), self.offset_keys()])
+        if guess is None:
             if len(self._calls) >= 2:
                 self._calls = None  # no order to follow
+                self._drop_adopted()
             return None
         self._calls = None
-        by_name = self._file.header.by_name
-        tensors = [by_name[n] for n in order
-                   if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
-        if tensors:
-            self._ahead = ReadAhead(tensors, self._entry.path,
-                                    lambda r: self._source.get(self._entry, r.start, r.end, cacheable=False),
-                                    self._source.store.submit, self.memory_limit, self.chunk_size,
-                                    self.streams)
-        return None
+        self._order_of, order = _ORDERS[guess[0]], guess[1]
+        if self._adopted is not None and self._adopted[0] == order:
+            self._ahead = self._adopted[1]
+            self._adopted = None
+        else:
+            self._drop_adopted()
+            by_name = self._file.header.by_name
+            tensors = [by_name[n] for n in order
+                       if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
+            piece = max(1, min(self.chunk_size, self.memory_limit // 4))
+            plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit,
+                              shard_count(self.name))
+            if plan:
+                self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
+                                        self._budget, self.streams)
+        slot = None if self._ahead is None else self._ahead.position(info.name)
+        return None if slot is None else self._take(slot)
+
+    def _take(self, slot: int) -> torch.Tensor:
+        """Tensor ``slot`` of the read-ahead. Once all its reads have gone out (before
+        waiting: requests free up from then on), the next shard is opened ahead (see
+        :mod:`.nextfile`); after the take, it may issue what the released bytes allow."""
+        assert self._ahead is not None
+        if not self._next_tried and self._ahead.issued_all:
+            self._next_tried = True
+            self._next = start_next(self.name, self._settings, self._storage_options,
+                                    self._budget, self._order_of)
+        raw = self._ahead.take(slot)
+        if self._next is not None:
+            self._next.pump()
+        return raw
+
+    def _drop_adopted(self) -> None:
+        if self._adopted is not None and self._adopted[1] is not None:
+            self._adopted[1].close()
+        self._adopted = None
 
     def _in_tail(self, start: int, end: int) -> bool:
         return self._file.tail is not None and end <= self._file.probe_end
@@ -345,12 +394,28 @@ class SafeOpen:
     def close(self) -> None:
         self._closed = True
         self._stop_ahead()
+        self._drop_adopted()
+        self._source.close()
+        if self._next is not None:
+            self._next.orphan()
+            self._next = None
 
     def __enter__(self) -> SafeOpen:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _sorted_names(header: Header) -> list[str]:
+    return sorted(header.by_name)
+
+
+def _offset_names(header: Header) -> list[str]:
+    return [t.name for t in header.tensors]
+
+
+_ORDERS = (_sorted_names, _offset_names)  # the orders calls are followed in: keys(), offset_keys()
 
 
 def _framework(framework: str, name: str) -> str:
