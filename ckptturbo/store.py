@@ -63,6 +63,20 @@ def default_io_workers(remote: bool = False) -> int:
     return max(8, min(32, 4 * (os.cpu_count() or 2)))
 
 
+def all_results(futures: Iterable[Future[T]]) -> list[T]:
+    """Every result, in order; the first failure is raised once all have finished (no
+    request is left running behind an error)."""
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return results
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     path: str
@@ -182,16 +196,7 @@ class Store:
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
         """Run fn over items on the I/O pool; the first failure is raised after all finish."""
-        futures = [self.submit(fn, item) for item in items]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+        return all_results([self.submit(fn, item) for item in items])
 
     def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call an fsspec method; on async filesystems (s3, gcs) its coroutine runs bounded

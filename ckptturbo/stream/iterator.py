@@ -39,6 +39,7 @@ import torch
 
 from ..errors import MismatchError
 from ..prefetch import MemoryBudget, Prefetcher, Read
+from ..store import all_results
 from .cache import DiskCache
 from .device import Destination, Scatter, covering
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
@@ -140,7 +141,7 @@ class SafetensorsStream:
 
         try:
             entries, weight_map = list_files(self.source, spec, self.options.cache_validate, early)
-            files = _gather([started.pop(e.path, None) or store.submit(header, e) for e in entries])
+            files = all_results([started.pop(e.path, None) or store.submit(header, e) for e in entries])
         finally:
             _drop_unused(started.values(), budget)
         _check_weight_map(files, weight_map, self.source)
@@ -309,19 +310,6 @@ class SafetensorsStream:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _gather(futures: Sequence[Future[StreamFile]]) -> list[StreamFile]:
-    """Every result, in order; the first failure is raised once all have finished."""
-    results, first_error = [], None
-    for fut in futures:
-        try:
-            results.append(fut.result())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining
-            first_error = first_error or exc
-    if first_error is not None:
-        raise first_error
-    return results
 
 
 def _drop_unused(futures: Iterable[Future[StreamFile]], budget: MemoryBudget) -> None:

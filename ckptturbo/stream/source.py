@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,7 +27,7 @@ import fsspec
 from ..errors import CheckpointKindError, CheckpointNotFound, FormatError
 from ..layout import MANIFEST_NAME
 from ..prefetch import Read
-from ..store import ObjectInfo, Store
+from ..store import ObjectInfo, Store, all_results
 from .cache import DiskCache, cache_key
 from .format import DEFAULT_MAX_HEADER_SIZE, PICKLE_SUFFIXES, refuse_pickle_name
 from .profiles import endpoint_key
@@ -130,19 +130,12 @@ class ByteSource:
         part = -(-read.size // count)
         cuts = [*range(read.start, read.end, part), read.end]
         rest = [self._helpers.submit(self.get, entry, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
-        bodies, failure = [], None
+        first: Future[bytes] = Future()  # read on this thread meanwhile
         try:
-            bodies.append(self.get(entry, cuts[0], cuts[1]))
-        except BaseException as exc:  # noqa: BLE001 - re-raised once the other parts are done
-            failure = exc
-        for fut in rest:
-            try:
-                bodies.append(fut.result())
-            except BaseException as exc:  # noqa: BLE001 - the same
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-        return Parts(bodies)
+            first.set_result(self.get(entry, cuts[0], cuts[1]))
+        except BaseException as exc:  # noqa: BLE001 - raised once the other parts are done
+            first.set_exception(exc)
+        return Parts(all_results([first, *rest]))
 
     def close(self) -> None:
         """Stop the part helpers (after the part GETs in flight)."""
