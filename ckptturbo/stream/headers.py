@@ -32,6 +32,10 @@ class StreamFile:
     def probe_end(self) -> int:
         return self.header.data_start + len(self.tail or b"")
 
+    def in_tail(self, end: int) -> bool:
+        """Whether data up to ``end`` came with the header GET (is in the kept tail)."""
+        return self.tail is not None and end <= self.probe_end
+
 
 def fetch_header(source: ByteSource, entry: FileEntry, probe: int, max_header_size: int,
                  budget: MemoryBudget | None = None, head: bytes | None = None) -> StreamFile:

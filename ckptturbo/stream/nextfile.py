@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..prefetch import MemoryBudget
 from .format import Header
 from .headers import StreamFile, open_file
-from .readahead import ReadAhead, plan_reads
+from .readahead import ReadAhead, start_read_ahead
 from .source import ByteSource, open_store
 
 log = logging.getLogger(__name__)
@@ -119,15 +119,8 @@ class NextFile:
         finally:
             self._opener.shutdown(wait=False)
         self.order = self.order_of(file.header)
-        by_name = file.header.by_name
-        tensors = [by_name[n] for n in self.order
-                   if by_name[n].nbytes and not by_name[n].end <= file.probe_end]
-        piece = max(1, min(chunk_size, self.budget.limit // 4))
-        plan = plan_reads(tensors, file.entry.path, piece, streams, self.budget.limit,
-                          shard_count(self.url))
-        if plan:
-            self.ahead = ReadAhead(plan, self.source.fetch_parts, self.source.store.submit,
-                                   self.budget, streams)
+        self.ahead = start_read_ahead(file, self.order, self.source, self.budget, chunk_size,
+                                      streams, shard_count(self.url))
         self.file = file
         self._pump()  # its reads may all be out already: open the next shard now
 

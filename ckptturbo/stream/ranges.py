@@ -61,14 +61,20 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
                 elif ramp:
                     end = min(b, ramp[0])
                 else:
-                    end = min(b, origin + ((pos - origin) // step + 1) * step)
-                    if b - end < step // 4 and b - pos <= piece:
-                        end = b  # a sliver left at the end of a span joins this read
+                    end = cut_end(pos, origin + ((pos - origin) // step + 1) * step, b, step, piece)
                 reads.append(Read(index, fi, f.entry.path, pos, end))
                 index += 1
                 pos = end
         out.append(reads)
     return out
+
+
+def cut_end(pos: int, grid_end: int, b: int, step: int, piece: int) -> int:
+    """Where a read from ``pos`` in a span ending at ``b`` ends: at ``grid_end`` (or ``b``),
+    unless that leaves a sliver under a quarter step, which joins this read (within
+    ``piece``): a request of its own would cost a round trip for almost nothing."""
+    end = min(b, grid_end)
+    return b if b - end < step // 4 and b - pos <= piece else end
 
 
 def grid_step(in_flight: int, piece: int, streams: int) -> int:

@@ -30,7 +30,9 @@ import torch
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from .device import Scatter
 from .format import TensorInfo
-from .ranges import RAMP_START, grid_step, intervals
+from .headers import StreamFile
+from .ranges import RAMP_START, cut_end, grid_step, intervals
+from .source import ByteSource
 
 log = logging.getLogger(__name__)
 SKIP_AHEAD = 8  # a call this many tensors ahead of the order still follows it (the rest is waited out)
@@ -63,9 +65,7 @@ def grid_plan(tensors: Sequence[TensorInfo], path: str, piece: int, streams: int
     for a, b in intervals(tensors):
         pos = a
         while pos < b:
-            end = min(b, pos + step)
-            if b - end < step // 4 and b - pos <= piece:
-                end = b
+            end = cut_end(pos, pos + step, b, step, piece)
             reads.append(Read(len(reads), 0, path, pos, end))
             pos = end
     starts = [r.start for r in reads]
@@ -156,6 +156,17 @@ def plan_reads(tensors: Sequence[TensorInfo], path: str, piece: int, streams: in
             return plan
         log.debug("%s: a %s read-ahead would hold over %d bytes", path, make.__name__, memory_limit)
     return None
+
+
+def start_read_ahead(file: StreamFile, order: Sequence[str], source: ByteSource, budget: MemoryBudget,
+                     chunk_size: int, streams: int, files: int) -> ReadAhead | None:
+    """A read-ahead of ``file``'s tensors in ``order`` (those the header GET did not bring
+    already) within ``budget``, for a handle or a next shard; None when no plan fits."""
+    by_name = file.header.by_name
+    tensors = [by_name[n] for n in order if by_name[n].nbytes and not file.in_tail(by_name[n].end)]
+    piece = max(1, min(chunk_size, budget.limit // 4))
+    plan = plan_reads(tensors, file.entry.path, piece, streams, budget.limit, files)
+    return ReadAhead(plan, source.fetch_parts, source.store.submit, budget, streams) if plan else None
 
 
 class ReadAhead:

@@ -25,7 +25,7 @@ from ..prefetch import MemoryBudget
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import open_file
 from .nextfile import NextFile, claim, shard_count, start_next
-from .readahead import ReadAhead, guess_order, plan_reads
+from .readahead import ReadAhead, guess_order, start_read_ahead
 from .source import ByteSource, open_store
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class SafeOpen:
             slot = self._ahead.position(info.name)
             if slot is not None:
                 return self._take(slot)
-            if not self._in_tail(info.start, info.end):
+            if not self._file.in_tail(info.end):
                 log.debug("%s: %r is out of the read-ahead's order: reading per call",
                           self.name, info.name)
                 self._stop_ahead()
@@ -290,15 +290,8 @@ class SafeOpen:
             self._adopted = None
         else:
             self._drop_adopted()
-            by_name = self._file.header.by_name
-            tensors = [by_name[n] for n in order
-                       if by_name[n].nbytes and not self._in_tail(by_name[n].start, by_name[n].end)]
-            piece = max(1, min(self.chunk_size, self.memory_limit // 4))
-            plan = plan_reads(tensors, self._entry.path, piece, self.streams, self.memory_limit,
-                              shard_count(self.name))
-            if plan:
-                self._ahead = ReadAhead(plan, self._source.fetch_parts, self._source.store.submit,
-                                        self._budget, self.streams)
+            self._ahead = start_read_ahead(self._file, order, self._source, self._budget,
+                                           self.chunk_size, self.streams, shard_count(self.name))
         slot = None if self._ahead is None else self._ahead.position(info.name)
         return None if slot is None else self._take(slot)
 
@@ -320,9 +313,6 @@ class SafeOpen:
         if self._adopted is not None and self._adopted[1] is not None:
             self._adopted[1].close()
         self._adopted = None
-
-    def _in_tail(self, start: int, end: int) -> bool:
-        return self._file.tail is not None and end <= self._file.probe_end
 
     def _stop_ahead(self) -> None:
         if self._ahead is not None:
@@ -348,7 +338,7 @@ class SafeOpen:
         buf = torch.empty(end - start, dtype=torch.uint8)
         out = buf.numpy()
         f = self._file
-        if self._in_tail(start, end):
+        if self._file.in_tail(end):
             lo = start - f.header.data_start
             out[:] = np.frombuffer(f.tail, dtype=np.uint8, count=end - start, offset=lo)
             return buf
