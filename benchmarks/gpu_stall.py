@@ -1,10 +1,10 @@
 """Training stall of ct.save from GPU memory vs the pinned copy limit and dcp.async_save.
 
-Run on a CUDA machine: `python -m benchmarks.gpu_stall [--size-mb 1024]`. Prints, for the
-steady state (pools already allocated), the time until `handle.staged`, the time of a bare
-copy of the same tensors into preallocated pinned buffers, the time `dcp.async_save`
-(FileSystemWriter, torch's default stager) blocks the caller, and the ratios (targets:
-<= 1.3x the copy, <= 0.5x `dcp.async_save`).
+Run on a CUDA machine: `python -m benchmarks.gpu_stall [--size-mb 1024] [--dtype bf16]`.
+Prints, for the steady state (pools already allocated), the time until `handle.staged`,
+the time of a bare copy of the same tensors into preallocated pinned buffers, the time
+`dcp.async_save` (FileSystemWriter, torch's default stager) blocks the caller, and the
+ratios (targets: <= 1.2x the copy, <= 0.3x `dcp.async_save`); writes `gpu-stall.json`.
 """
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from .report import Report
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _async_save_blocks(sd: dict[str, torch.Tensor], path: str) -> float:
@@ -36,11 +40,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
+    dtype = DTYPES[args.dtype]
     n = args.size_mb // 64
-    sd = {f"w{i}": torch.randn(16 << 20, device="cuda") for i in range(n)}  # 64 MiB each
+    numel = (64 << 20) // dtype.itemsize
+    sd = {f"w{i}": torch.randn(numel, device="cuda").to(dtype) for i in range(n)}  # 64 MiB each
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in sd.items()}
     run = tempfile.mkdtemp(prefix="ckptturbo-gpu-")
     ct.save(sd, f"{run}/warm").wait()
@@ -59,12 +67,14 @@ def main() -> None:
         stalls.append(time.perf_counter() - t0)
         handle.wait()
         async_saves.append(_async_save_blocks(sd, f"{run}/dcp-{rep}"))
-    gib = n * 64 / 1024
-    copy, stall, blocked = min(copies), min(stalls), min(async_saves)
-    print(f"{gib:.2f} GiB  pinned D2H copy {copy:.3f} s ({gib / copy:.1f} GiB/s)  "
-          f"ct.save staged {stall:.3f} s  dcp.async_save blocks {blocked:.3f} s\n"
-          f"ratio vs copy {stall / copy:.2f} (target <= 1.3)  "
-          f"ratio vs dcp.async_save {stall / blocked:.2f} (target <= 0.5)")
+    report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
+                                  "device": torch.cuda.get_device_name()})
+    report.raw.update(copies=copies, stalls=stalls, async_saves=async_saves)
+    report.compare("stall until staged vs a pinned D2H copy_", min(stalls), min(copies), "s",
+                   peer_name="pinned copy_", target=1.2)
+    report.compare("stall until staged vs dcp.async_save", min(stalls), min(async_saves), "s",
+                   peer_name="dcp.async_save blocks", target=0.3)
+    report.finish(args.out)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,10 @@ class Job:
                 src = data[p.offset + lo - p.start: p.offset + hi - p.start]
                 dst = self.dest[lo - self.start: hi - self.start]
                 if dst.is_cuda and not src.is_cuda:
-                    copier.to_device(memoryview(src.numpy()), dst, 0)
+                    if src.is_pinned():
+                        copier.upload(src, dst)
+                    else:
+                        copier.to_device(memoryview(src.numpy()), dst, 0)
                 else:
                     dst.copy_(src)
             self.missing -= 1
@@ -100,6 +103,11 @@ def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | Non
         return Job(item, shard, start, end, target, dest, stored, direct=True)
     dest = torch.empty(end - start, dtype=torch.uint8, device=target.device)
     return Job(item, shard, start, end, target, dest, stored)
+
+
+def device_bound(jobs: list[Job]) -> set[str]:
+    """Chunks that hold bytes of a job whose destination is on an accelerator."""
+    return {p.chunk for job in jobs if job.dest.device.type != "cpu" for p in job.pieces()}
 
 
 def in_place_targets(jobs: list[Job], chunk_sizes: dict[str, int],

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .assemble import Job, consume, finish_job, in_place_targets, item_span, make_job
+from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
 from .chunk_source import ChunkSource
 from .broadcast import Part, Transfer, needs_communication, schedule
@@ -316,18 +316,29 @@ class TurboReader(StorageReader):
         """Parallel GETs in first-use order, at most read_ahead_bytes outstanding."""
         cids = chunks_touched((j.shard.pieces, j.start, j.end) for j in jobs)
         into = in_place_targets(jobs, self._chunk_sizes, torch.device("cpu"))
+        to_device = device_bound(jobs) - into.keys()
         location = self.location
         reads = [Read(i, 0, location.chunk_path(cid), 0, self._chunk_sizes[cid])
                  for i, cid in enumerate(cids)]
         chunks = self.chunks
-        prefetcher = Prefetcher(reads, lambda r: chunks.fetch_into(cids[r.index], into),
-                                location.chunk_store.submit, MemoryBudget(self.read_ahead_bytes),
+        copier = DeviceCopier()
+
+        def fetch(read: Read) -> memoryview | torch.Tensor:
+            """A chunk bound for a device lands in pinned memory, checked there."""
+            cid = cids[read.index]
+            if cid not in to_device:
+                return chunks.fetch_into(cid, into)
+            landing = copier.landing(read.size)
+            chunks.fetch(cid, memoryview(landing.numpy()))
+            return landing
+
+        prefetcher = Prefetcher(reads, fetch, location.chunk_store.submit,
+                                MemoryBudget(self.read_ahead_bytes),
                                 streams=location.chunk_store.max_workers, lookahead=1)
         by_id = dict(zip(cids, reads))
-        copier = DeviceCopier()
         prefetcher.start()
         try:
-            arrived = ((cid, as_uint8(prefetcher.wait(r))) for cid, r in by_id.items())
+            arrived = ((cid, _host_tensor(prefetcher.wait(r))) for cid, r in by_id.items())
             consume(jobs, arrived, self._finisher(planner, copier),
                     lambda cid: prefetcher.release(by_id[cid]), copier)
         finally:
@@ -390,6 +401,10 @@ def _spans(shards: Iterable[tuple[ReadItem, ShardRecord]]) -> Iterator[tuple[lis
     """(pieces, start, end) of each (read item, its shard): each shard looked up once."""
     for item, shard in shards:
         yield (shard.pieces, *item_span(shard, item))
+
+
+def _host_tensor(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+    return data if isinstance(data, torch.Tensor) else as_uint8(data)
 
 
 def _stored_dtype(manifest: Manifest, item: ReadItem) -> torch.dtype | None:

@@ -183,6 +183,22 @@ class DeviceCopier:
         if event is not None:
             event.synchronize()
 
+    @staticmethod
+    def landing(nbytes: int) -> torch.Tensor:
+        """Pinned host memory for bytes bound for a device, to read them into: copied to
+        the device from there by :meth:`upload`, they cross the link once, at full speed,
+        with no copy through the ring. It comes from torch's pinned-memory cache, so a
+        later load reuses it instead of pinning pages again."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` from pinned host memory (a :meth:`landing` buffer) on
+        the side stream; call :meth:`finish` before the caller's stream reads ``dst``.
+        torch's pinned-memory cache records the copy, so ``src``'s memory is not handed
+        out again before the copy has run, even once the caller drops it."""
+        with torch.cuda.stream(self._stream(dst.device)):
+            dst.copy_(src, non_blocking=True)
+
     def to_device(self, src: memoryview, dst: torch.Tensor, offset: int) -> None:
         """Queue the copy of host bytes ``src`` into ``dst[offset:]`` (a uint8 tensor);
         call :meth:`finish` before the caller's stream reads ``dst``."""

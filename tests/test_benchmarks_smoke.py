@@ -79,3 +79,18 @@ def test_coordinator_scale_at_a_tiny_world(tmp_path):
     rows = doc["raw"]["rows"]
     assert {(r["workload"], r["ranks"]) for r in rows} == {(w, n) for w in ("hsdp-72b", "ddp-3b")
                                                            for n in (4, 8)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module, scenario", [("gpu_load", "gpu-load"), ("gpu_stream", "gpu-stream")])
+def test_gpu_benchmarks_check_their_loads_on_the_cpu(tmp_path, module, scenario):
+    """The GPU load benchmarks' CPU mode: the same loads, checked bit-exact (CUDA's own run
+    is in docs/benchmarks.md)."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--device", "cpu",
+                           "--size-mb", "16", "--reps", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / f"{scenario}.json") as f:
+        doc = json.load(f)
+    assert doc["checks"] == {"bit-exact": True}
+    assert [c["peer"] > 0 for c in doc["comparisons"]] == [True] * len(doc["comparisons"])

@@ -7,7 +7,9 @@ only waits and yields, and the page faults of fresh destination memory (about a 
 per GiB) are taken by the I/O threads while the network fills the next ranges. The read's
 own bytes are dropped at once, so a range is held once, in its destinations.
 
-:class:`Destination` is the consumer-thread path: for CUDA it goes through
+:class:`Destination` is the consumer-thread path. For CUDA each read lands in pinned
+memory on its I/O thread (:func:`land`) and the consumer queues the copies to the device;
+bytes that did not land (a header GET's tail) go through
 :class:`~ckptturbo.staging.DeviceCopier`'s pinned ring, whose buffers are reserved from the
 stream's memory budget for its life.
 """
@@ -41,8 +43,13 @@ class Destination:
     def new(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def copy(self, src: memoryview, dst: torch.Tensor, offset: int) -> None:
-        self.copier.to_device(src, dst, offset)
+    def copy(self, src: memoryview | torch.Tensor, dst: torch.Tensor, offset: int) -> None:
+        """Queue src into ``dst[offset:]``: straight from a :func:`land` buffer, else
+        through the pinned ring."""
+        if isinstance(src, torch.Tensor):
+            self.copier.upload(src, dst[offset:offset + len(src)])
+        else:
+            self.copier.to_device(src, dst, offset)
 
     def finish(self) -> None:
         """The tensor filled so far is ready for the consumer's stream."""
@@ -54,6 +61,20 @@ class Destination:
         self.reserved = 0
 
 
+def land(read: Read, data: bytes | bytearray | memoryview | Parts) -> torch.Tensor:
+    """On the I/O thread that fetched it, copy a read's bytes (one buffer, or its part
+    GETs' bodies) into pinned memory: the consumer's thread then only queues copies to the
+    device, which run at the link's speed, instead of copying every byte through the ring
+    itself. Reads land in parallel, one per I/O thread."""
+    bodies = data.bodies if isinstance(data, Parts) else [data]
+    out = DeviceCopier.landing(read.size)
+    view, at = out.numpy(), 0
+    for body in bodies:  # numpy copies without the GIL
+        view[at:at + len(body)] = np.frombuffer(body, dtype=np.uint8)
+        at += len(body)
+    return out
+
+
 class Scatter:
     """Fresh CPU destination tensors, filled from each read's bytes on the I/O thread.
 
@@ -63,8 +84,11 @@ class Scatter:
     :meth:`take` once every read covering it is filled.
     """
 
-    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]]) -> None:
-        """``plan``: every tensor in yield order with the reads that cover its bytes."""
+    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]], pinned: bool = False) -> None:
+        """``plan``: every tensor in yield order with the reads that cover its bytes;
+        ``pinned``: destinations in pinned memory, for tensors bound for a GPU (their copy
+        there then runs asynchronously, at the link's speed)."""
+        self._pinned = pinned
         self._sizes = [t.nbytes for t, _ in plan]
         self._slots: list[torch.Tensor | None] = [None] * len(plan)
         # read index -> [(slot, destination offset, offset in the read, length)]
@@ -96,7 +120,9 @@ class Scatter:
         with self._lock:
             t = self._slots[slot]
             if t is None:
-                t = self._slots[slot] = torch.empty(self._sizes[slot], dtype=torch.uint8)
+                size = self._sizes[slot]
+                t = self._slots[slot] = (DeviceCopier.landing(size) if self._pinned
+                                         else torch.empty(size, dtype=torch.uint8))
             return t.numpy()
 
     def take(self, slot: int) -> torch.Tensor:

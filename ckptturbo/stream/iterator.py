@@ -16,8 +16,9 @@ Yielded tensors are always fresh allocations of exactly their own size, never vi
 read buffer: the caller may keep, modify or free them independently (no buffer-reuse
 corruption, and one small tensor never pins a 32 MiB range in memory). On the CPU they
 are filled by the I/O threads as each range arrives (:class:`~.device.Scatter`), so the
-consumer's thread only yields; for CUDA and across ranks the consumer's thread copies out
-of the ranges (:class:`~.device.Destination`). Tensors larger than a range (or than the
+consumer's thread only yields; for CUDA each range lands in pinned memory on its I/O
+thread and the consumer's thread queues copies to the device, and across ranks it copies
+out of the ranges (:class:`~.device.Destination`). Tensors larger than a range (or than the
 whole memory limit) are assembled piece by piece straight into their destination.
 ``views=True`` (for consumers that copy each tensor at once, such as vLLM's weight
 loaders) yields read-only views of the ranges instead wherever a tensor lies inside one,
@@ -41,7 +42,7 @@ from ..errors import MismatchError
 from ..prefetch import MemoryBudget, Prefetcher, Read
 from ..store import all_results
 from .cache import DiskCache
-from .device import Destination, Scatter, covering
+from .device import Destination, Scatter, covering, land
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
 from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
@@ -198,10 +199,12 @@ class SafetensorsStream:
             self._waiter = feed
             feed.start()
             return feed
-        fetch = self.source.fetch if self._scatter is None else self.source.fetch_parts
+        deliver = (self._scatter.deliver if self._scatter is not None
+                   else land if self.device.type == "cuda" else None)
+        fetch = self.source.fetch if deliver is None else self.source.fetch_parts
         prefetcher = Prefetcher(flat, fetch, self.source.store.submit, self.budget,
                                 streams=self.profile.streams, lookahead=self.profile.lookahead,
-                                deliver=None if self._scatter is None else self._scatter.deliver)
+                                deliver=deliver)
         self._waiter = prefetcher
         prefetcher.start()
         return prefetcher
@@ -263,7 +266,8 @@ class SafetensorsStream:
         pos = t.start
         while pos < t.end:
             r = reads[ri]
-            data = memoryview(waiter.wait(r))
+            held = waiter.wait(r)
+            data = held if isinstance(held, torch.Tensor) else memoryview(held)
             if r.end <= pos:  # a read that only covers a skipped gap
                 waiter.release(r)
                 ri += 1

@@ -120,7 +120,7 @@ class NextFile:
             self._opener.shutdown(wait=False)
         self.order = self.order_of(file.header)
         self.ahead = start_read_ahead(file, self.order, self.source, self.budget, chunk_size,
-                                      streams, shard_count(self.url))
+                                      streams, shard_count(self.url), pinned=self.settings[4])
         self.file = file
         self._pump()  # its reads may all be out already: open the next shard now
 

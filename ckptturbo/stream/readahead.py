@@ -159,21 +159,22 @@ def plan_reads(tensors: Sequence[TensorInfo], path: str, piece: int, streams: in
 
 
 def start_read_ahead(file: StreamFile, order: Sequence[str], source: ByteSource, budget: MemoryBudget,
-                     chunk_size: int, streams: int, files: int) -> ReadAhead | None:
+                     chunk_size: int, streams: int, files: int, pinned: bool = False) -> ReadAhead | None:
     """A read-ahead of ``file``'s tensors in ``order`` (those the header GET did not bring
-    already) within ``budget``, for a handle or a next shard; None when no plan fits."""
+    already) within ``budget``, for a handle or a next shard; None when no plan fits.
+    ``pinned``: the tensors land in pinned memory (a handle on a GPU)."""
     by_name = file.header.by_name
     tensors = [by_name[n] for n in order if by_name[n].nbytes and not file.in_tail(by_name[n].end)]
     piece = max(1, min(chunk_size, budget.limit // 4))
     plan = plan_reads(tensors, file.entry.path, piece, streams, budget.limit, files)
-    return ReadAhead(plan, source.fetch_parts, source.store.submit, budget, streams) if plan else None
+    return ReadAhead(plan, source.fetch_parts, source.store.submit, budget, streams, pinned) if plan else None
 
 
 class ReadAhead:
     """Fetches ``tensors`` in order, ahead of the calls; :meth:`take` hands over each one."""
 
     def __init__(self, plan: Plan, fetch: Callable[[Read], object], submit: Callable,
-                 budget: MemoryBudget, streams: int) -> None:
+                 budget: MemoryBudget, streams: int, pinned: bool = False) -> None:
         """``plan``: from :func:`plan_reads` (within ``budget.limit``); ``fetch`` returns a
         read's bytes (or its part GETs' bodies, which :class:`~.device.Scatter` takes as
         they are)."""
@@ -181,7 +182,7 @@ class ReadAhead:
         self._reads = sorted({r.index: r for _, rs in plan for r in rs}.values(), key=lambda r: r.index)
         self._covering = [rs for _, rs in plan]
         self._last_use = {r.index: slot for slot, (_, rs) in enumerate(plan) for r in rs}
-        self._scatter = Scatter(plan)
+        self._scatter = Scatter(plan, pinned)
         self._cursor = 0
         self.budget = budget
         self._prefetcher = Prefetcher(self._reads, fetch, submit, self.budget, streams=streams,

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 
 from ..errors import CheckpointNotFound, CkptTurboError, FormatError, MismatchError
 from ..prefetch import MemoryBudget
+from ..staging import DeviceCopier
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import open_file
 from .nextfile import NextFile, claim, shard_count, start_next
@@ -203,7 +204,8 @@ class SafeOpen:
         self._ahead: ReadAhead | None = None
         self._budget = MemoryBudget(memory_limit)
         self._storage_options = storage_options
-        self._settings = (chunk_size, streams, max_header_size, memory_limit)
+        # the last: tensors bound for a GPU are read into pinned memory
+        self._settings = (chunk_size, streams, max_header_size, memory_limit, self.device.type == "cuda")
         self._next: NextFile | None = None  # the next shard, opened ahead by this handle
         self._next_tried = False
         self._order_of: Callable[[Header], list[str]] = _sorted_names  # the order the calls follow
@@ -274,8 +276,8 @@ class SafeOpen:
                 self._stop_ahead()
                 self._calls = None
             return None
-        if self._calls is None or self._source.store.is_local:
-            return None
+        if self._calls is None or (self._source.store.is_local and not self._settings[4]):
+            return None  # a local file on the CPU is read per call: the page cache is ahead
         self._calls.append(info.name)
         guess = guess_order(self._calls, [self.keys(), self.offset_keys()])
         if guess is None:
@@ -291,7 +293,8 @@ class SafeOpen:
         else:
             self._drop_adopted()
             self._ahead = start_read_ahead(self._file, order, self._source, self._budget,
-                                           self.chunk_size, self.streams, shard_count(self.name))
+                                           self.chunk_size, self.streams, shard_count(self.name),
+                                           pinned=self._settings[4])
         slot = None if self._ahead is None else self._ahead.position(info.name)
         return None if slot is None else self._take(slot)
 
@@ -334,8 +337,8 @@ class SafeOpen:
         return TensorSlice(self, self._info(name))
 
     def _read(self, start: int, end: int) -> torch.Tensor:
-        """Bytes [start, end) of the file as a fresh uint8 tensor."""
-        buf = torch.empty(end - start, dtype=torch.uint8)
+        """Bytes [start, end) of the file as a fresh uint8 tensor (pinned when bound for a GPU)."""
+        buf = DeviceCopier.landing(end - start) if self._settings[4] else torch.empty(end - start, dtype=torch.uint8)
         out = buf.numpy()
         f = self._file
         if self._file.in_tail(end):
@@ -369,8 +372,8 @@ class SafeOpen:
         return raw.view(dtype).reshape(shape)
 
     def _deliver(self, tensor: torch.Tensor, info: TensorInfo) -> Any:
-        if self.framework == "pt":
-            return tensor.to(self.device)
+        if self.framework == "pt":  # from pinned memory the copy runs on the caller's stream
+            return tensor.to(self.device, non_blocking=self.device.type == "cuda" and tensor.is_pinned())
         try:
             return tensor.numpy()
         except TypeError as exc:
