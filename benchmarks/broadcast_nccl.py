@@ -29,10 +29,7 @@ import torch.distributed as dist
 from ckptturbo.broadcast import ChainBroadcaster, Transfer
 from ckptturbo.testing.launcher import run_distributed
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .measure import sync
 
 
 def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
@@ -40,10 +37,10 @@ def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         dist.barrier()
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         dist.barrier()
         if i:
             times.append(time.perf_counter() - began)

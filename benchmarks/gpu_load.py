@@ -13,8 +13,6 @@ runs the DCP comparison without a GPU (a check of the script, not a GPU figure).
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import tempfile
 from typing import Any
 
@@ -23,16 +21,10 @@ import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
 
-from .measure import alternate, now, quiet
+from .measure import alternate, device_args, now, sync
 from .report import Report
 from .states import MiB, digests, mismatches, tensor_nbytes, transformer_state, zero_, zeros_like
 
-log = logging.getLogger("benchmarks")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _pinned_copy(on_device: dict[str, Any], device: torch.device, reps: int) -> float:
@@ -41,11 +33,11 @@ def _pinned_copy(on_device: dict[str, Any], device: torch.device, reps: int) -> 
               if isinstance(v, torch.Tensor)}
     best = float("inf")
     for _ in range(reps + 1):
-        _sync(device)
+        sync(device)
         t = now()
         for k, host in pinned.items():
             on_device[k].copy_(host, non_blocking=True)
-        _sync(device)
+        sync(device)
         best = min(best, now() - t)
     return best
 
@@ -67,15 +59,7 @@ def _profiled_copies(load: Any) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="bench-out")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    quiet()
-    device = torch.device(args.device)
+    args, device = device_args(__doc__.split("\n")[0])
     report = Report("gpu-load", {"size_mb": args.size_mb, "reps": args.reps, "device": str(device)})
     sd = transformer_state(args.size_mb * MiB)
     expected = digests(sd)
@@ -88,19 +72,19 @@ def main() -> None:
 
         def ckptturbo(rep: int) -> dict[str, Any]:
             zero_(on_device)
-            _sync(device)
+            sync(device)
             t = now()
             ct.load(on_device, ct_url)
-            _sync(device)
+            sync(device)
             return {"seconds": now() - t, "correct": not mismatches(on_device, expected)}
 
         def dcp_then_to(rep: int) -> dict[str, Any]:
             zero_(on_host)
-            _sync(device)
+            sync(device)
             t = now()
             dcp.load(on_host, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
             moved = {k: v.to(device) for k, v in on_host.items()}
-            _sync(device)
+            sync(device)
             return {"seconds": now() - t, "correct": not mismatches(moved, expected)}
 
         loads = alternate(args.reps, {"ckptturbo": ckptturbo, "DCP + .to()": dcp_then_to})

@@ -13,8 +13,6 @@ better) and writes `gpu-stream.json`. `--device cpu` checks the script without a
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import tempfile
 from typing import Any, Callable
@@ -25,11 +23,10 @@ from safetensors.torch import load_file, save_file
 import ckptturbo as ct
 from ckptturbo.stream import safe_open
 
-from .measure import alternate, now, quiet
+from .measure import alternate, device_args, now, sync
 from .report import Report
 from .states import MiB
 
-log = logging.getLogger("benchmarks")
 SHARDS = 4
 
 
@@ -50,27 +47,17 @@ def _model(size_bytes: int, work: str) -> tuple[list[str], dict[str, torch.Tenso
 
 def _timed(load: Callable[[], dict[str, torch.Tensor]], device: torch.device,
            expected: dict[str, torch.Tensor]) -> dict[str, Any]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     t = now()
     got = load()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     seconds = now() - t
     correct = got.keys() == expected.keys() and all(torch.equal(got[k].cpu(), v) for k, v in expected.items())
     return {"seconds": seconds, "correct": correct}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="bench-out")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    quiet()
-    device = torch.device(args.device)
+    args, device = device_args(__doc__.split("\n")[0])
     report = Report("gpu-stream", {"size_mb": args.size_mb, "reps": args.reps, "device": str(device)})
     with tempfile.TemporaryDirectory(prefix="ckptturbo-gpu-stream-") as work:
         files, expected = _model(args.size_mb * MiB, work)

@@ -2,11 +2,14 @@
 benchmark's own setup of every rank process (logging, quiet DCP warnings)."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
 import time
 from typing import Any, Callable
+
+import torch
 
 from .report import brief
 
@@ -38,6 +41,26 @@ def quiet() -> None:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def device_args(description: str) -> tuple[argparse.Namespace, torch.device]:
+    """The options of a load benchmark that runs on a GPU, or on the CPU as a check of the
+    script (``--size-mb``, ``--reps``, ``--device``, ``--out``); sets up logging."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="bench-out")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet()
+    return args, torch.device(args.device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing on the CPU), before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def alternate(reps: int, variants: dict[str, Callable[[int], dict[str, Any]]],
