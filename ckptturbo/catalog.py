@@ -44,7 +44,7 @@ import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
 from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
@@ -132,23 +132,27 @@ class CheckpointInfo:
     pending: bool = False  # a save in flight in this process, not committed yet (wait=False)
 
 
-def _committed(run_url: str, storage_options: dict[str, Any] | None, session: Session | None
-               ) -> Iterator[tuple[str, Manifest | FormatError]]:
-    """(url, manifest) of every committed checkpoint directly under a run, each read once;
-    an unreadable manifest comes as its FormatError. A checkpoint deleted between the
-    listing and the read is skipped: it no longer exists."""
+def committed(run_url: str, storage_options: dict[str, Any] | None, session: Session | None,
+              skip: Iterable[str] = ()) -> list[tuple[str, Manifest | FormatError]]:
+    """(url, manifest) of every committed checkpoint directly under a run but those named
+    in ``skip``, in listing order: one listing, then the manifests read in parallel (one
+    after another, an object store's latency per checkpoint is what made listing a long
+    run slow). An unreadable manifest comes as its FormatError. A checkpoint deleted
+    between the listing and the read is left out: it no longer exists."""
     store = Store(run_url, storage_options, session=session)
-    for path in store.list_dirs(store.root):
-        name = posixpath.basename(path)
-        if name == CONTROL_DIR:
-            continue
+    left_out = {CONTROL_DIR, *skip}
+    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in left_out]
+
+    def read(name: str) -> tuple[str, Manifest | FormatError] | None:
         url = f"{run_url.rstrip('/')}/{name}"
         try:
-            yield url, Location(url, storage_options, session=session).read_manifest()
+            return url, Location(url, storage_options, session=session).read_manifest()
         except CheckpointNotFound:
-            continue
+            return None
         except FormatError as exc:
-            yield url, exc
+            return url, exc
+
+    return [found for found in store.map(read, names) if found is not None]
 
 
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
@@ -165,7 +169,7 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
     if wait:
         wait_for_saves(run_url, under=True)
     found, bad = [], []
-    for url, m in _committed(run_url, storage_options, session):
+    for url, m in committed(run_url, storage_options, session):
         name = posixpath.basename(url)
         if isinstance(m, FormatError):
             log.warning("checkpoint %s is unreadable: %s", url, m)
@@ -173,9 +177,9 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
             continue
         found.append(CheckpointInfo(name, url, m.created, m.total_bytes, m.unique_bytes, len(m.items)))
     found.sort(key=lambda c: (c.created, c.name))
-    committed = {url_key(c.url) for c in found}
+    listed = {url_key(c.url) for c in found}
     found += [CheckpointInfo(posixpath.basename(u.rstrip("/")), u, time.time(), 0, 0, 0, pending=True)
-              for u in pending if url_key(u) not in committed]
+              for u in pending if url_key(u) not in listed]
     return sorted(bad, key=lambda c: c.name) + found if include_unreadable else found
 
 
@@ -263,7 +267,7 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
     with _gc_lock(run, dry_run) if shared else contextlib.nullcontext():
         referenced: set[str] = set()
         own, unreadable = [], []
-        for url, manifest in _committed(run_url, storage_options, session):
+        for url, manifest in committed(run_url, storage_options, session):
             if isinstance(manifest, FormatError):
                 unreadable.append(f"{url} ({manifest})")
             elif manifest.chunk_store == OWN_STORE:

@@ -72,7 +72,7 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
 
     present = RunStore.for_run(run_url, session=session).chunk_ids()
     held, bad = [], []
-    for url, manifest in catalog._committed(run_url, None, session):
+    for url, manifest in catalog.committed(run_url, None, session):
         name = posixpath.basename(url)
         if isinstance(manifest, FormatError):
             log.warning("memory tier: evicting unreadable checkpoint %s (%s)", url, manifest)

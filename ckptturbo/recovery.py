@@ -34,11 +34,10 @@ from .agreement import agree, gather
 from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
-from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
+from .layout import MANIFEST_NAME, Location, Manifest
 from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader
 from .session import wait_for_saves
-from .store import Store
 from .tiers import Tiers, split_checkpoint
 
 if TYPE_CHECKING:
@@ -356,24 +355,16 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
 def _durable_checkpoints(session: Session, run: str, storage_options: dict[str, Any] | None,
                          known: Iterable[str]) -> dict[str, float]:
     """{name: created} of the durable run's committed checkpoints that are not in
-    ``known``: one listing, then the manifests of the others read in parallel (a name this
-    node's memory holds is the same checkpoint, persisted: its time is known, and reading
-    each manifest in turn through an object store's latency is what made listing slow).
-    An unreadable manifest is logged and left out, as ``ckptturbo ls`` does."""
-    store = Store(run, storage_options, session=session)
-    skip = {CONTROL_DIR, *known}
-    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in skip]
-
-    def created(name: str) -> float | None:
-        try:
-            return Location(f"{run}/{name}", storage_options, session=session).read_manifest().created
-        except CheckpointNotFound:
-            return None  # deleted since the listing: it no longer exists
-        except FormatError as exc:
-            log.warning("checkpoint %s/%s is unreadable: %s", run, name, exc)
-            return None
-
-    return {n: t for n, t in zip(names, store.map(created, names)) if t is not None}
+    ``known`` (a name this node's memory holds is the same checkpoint, persisted: its
+    time is known). An unreadable manifest is logged and left out, as ``ckptturbo ls``
+    does."""
+    found = {}
+    for url, manifest in catalog.committed(run, storage_options, session, skip=known):
+        if isinstance(manifest, FormatError):
+            log.warning("checkpoint %s is unreadable: %s", url, manifest)
+        else:
+            found[posixpath.basename(url)] = manifest.created
+    return found
 
 
 def newest_first(found: list[dict[str, float]]) -> list[str]:
