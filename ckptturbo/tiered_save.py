@@ -126,16 +126,18 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             handle.durable.set_result(None)
         manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
         _after(session, run_url, handle, "replicated")
+        held = None  # which nodes hold which chunks once replicated: where a persist reads
         try:
-            handle.replicated.set_result(_replicate(url, memory, manifest, tiers.replicas,
-                                                    Nodes(replicate_group, tiers.node_name)))
+            replicated, held = _replicate(url, memory, manifest, tiers.replicas,
+                                          Nodes(replicate_group, tiers.node_name))
+            handle.replicated.set_result(replicated)
         except Exception as exc:  # noqa: BLE001 - the checkpoint stands in its node's memory
             handle.replicated.set_exception(as_ckptturbo_error(exc, url, "replicating"))
         if handle.persisted:
             _after(session, run_url, handle, "durable")
             handle.durable.set_result(_persist(session, url, memory, manifest,
                                                Nodes(persist_group, tiers.node_name),
-                                               storage_options, local, started))
+                                               storage_options, local, started, held))
 
     return run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
                     collective=collective, storage_options=None, planner=planner,
@@ -154,17 +156,21 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
                 getattr(older, step).exception()
 
 
-def _replicate(url: str, memory: Location, manifest: Manifest, k: int, nodes: Nodes) -> Replicated:
+def _replicate(url: str, memory: Location, manifest: Manifest, k: int,
+               nodes: Nodes) -> tuple[Replicated, dict[str, set[str]]]:
     """Copy each node's chunks of the checkpoint into ``k`` other nodes' memory tiers
-    (collective; see ``peers``)."""
+    (collective; see ``peers``). Also returns which node holds which chunk afterwards, so
+    that a persist does not gather the holdings again."""
     run = memory.run
     held = peers.holdings(nodes, run.chunk_ids, list(manifest.chunks))
     copies = peers.plan_replicas(manifest.chunks, held, nodes.order, nodes.leaders, k) if k else []
     peers.exchange(nodes, copies, lambda cid, nbytes: peers.tier_chunk(run, cid, nbytes),
                    lambda cid, data: run.store.put(run.chunk_path(cid), data),
                    f"replicating {url}")
+    for copy in copies:
+        held[nodes.nodes[copy.target]].add(copy.cid)
     return Replicated(copies=min(1 + k, len(nodes.order)), chunks_sent=len(copies),
-                      bytes_sent=sum(c.nbytes for c in copies))
+                      bytes_sent=sum(c.nbytes for c in copies)), held
 
 
 def _commit_on_node(memory: Location, data: bytes, ranks: Nodes) -> None:
@@ -182,12 +188,15 @@ def _commit_on_node(memory: Location, data: bytes, ranks: Nodes) -> None:
 
 
 def _persist(session: Session, url: str, memory: Location, manifest: Manifest, ranks: Nodes,
-             storage_options: dict[str, Any] | None, local: SaveSummary, started: float) -> SaveSummary:
-    """Copy the checkpoint from the nodes' memory tiers to the durable URL (collective)."""
+             storage_options: dict[str, Any] | None, local: SaveSummary, started: float,
+             held: dict[str, set[str]] | None) -> SaveSummary:
+    """Copy the checkpoint from the nodes' memory tiers to the durable URL (collective);
+    ``held``: which node holds which chunk, when the replication just said (else gathered)."""
     durable = Location(url, storage_options, session=session)
     save_id = f"{manifest.storage_meta.get('save_id', 'tiered')}-persist"
-    share = peers.spread(manifest.chunks, peers.holdings(ranks, memory.run.chunk_ids,
-                                                         list(manifest.chunks)))
+    if held is None:
+        held = peers.holdings(ranks, memory.run.chunk_ids, list(manifest.chunks))
+    share = peers.spread(manifest.chunks, held)
     copied = agree(ranks.group, f"persisting {url}", lambda: persist.copy_chunks(
         memory.run, durable.run, manifest, share[ranks.node], save_id, ranks.rank)
         if ranks.node_leader else None)
