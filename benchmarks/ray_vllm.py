@@ -13,8 +13,9 @@ Standalone (``python -m benchmarks.ray_vllm ray|vllm|all``); SeaweedFS runs on l
   (``load_model``: building the model and loading its weights) with
   ``load_format="ckptturbo"``, with ``runai_streamer`` (a benchmark-only extra,
   ``ckptturbo[bench-runai]``, or ``--runai-python``; skipped with a message when absent),
-  and by downloading the files then ``load_format="safetensors"`` (download included).
-  Each way runs in a warm engine process of its own (vLLM imported, one unmeasured
+  and by downloading the files then ``load_format="safetensors"`` (download included);
+  ``load_format="dummy"`` (random weights, nothing read) gives the floor every way pays,
+  and ``ratio_above_dummy_*`` compares the time each spends above it. Each way runs in a warm engine process of its own (vLLM imported, one unmeasured
   engine first), which then builds one engine per repetition; repetitions alternate
   between the ways (the order flips each time); medians, spreads and ratios are reported.
 """
@@ -237,7 +238,10 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
                                ""], sys.executable, {}),
                 "runai_streamer": ([url, "runai_streamer", "{}", ""], runai_python, aws),
                 "download+safetensors": ([os.path.join(out, "downloaded"), "safetensors", "{}",
-                                          json.dumps([url, options])], sys.executable, {})}
+                                          json.dumps([url, options])], sys.executable, {}),
+                # the floor: builds the model and fills every weight with random values,
+                # reading nothing (what every way pays besides moving the bytes)
+                "dummy": ([config_only, "dummy", "{}", ""], sys.executable, {})}
         workers = {}
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
         try:
@@ -263,10 +267,13 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
                          "peak_rss_bytes": max(r["peak_rss_bytes"] for r in done),
                          "tokens": done[-1]["tokens"]}
     ours = results["ckptturbo"].get("weights_s_median")
+    floor = results["dummy"].get("weights_s_median")
     for name in ("runai_streamer", "download+safetensors"):
         theirs = results[name].get("weights_s_median")
         if ours and theirs:
             results[f"ratio_weights_vs_{name}"] = ours / theirs
+            if floor is not None and theirs > floor:  # the time spent on the weights' bytes
+                results[f"ratio_above_dummy_vs_{name}"] = (ours - floor) / (theirs - floor)
     return results
 
 
