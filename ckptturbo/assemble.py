@@ -135,7 +135,8 @@ def consume(jobs: list[Job], chunks: Iterable[tuple[str, torch.Tensor]],
             copier: DeviceCopier) -> None:
     """Copy each verified chunk's bytes into every job that needs them; ``finish`` a job
     once all its bytes are in; ``release`` each chunk as soon as it has been consumed
-    (host bytes bound for a device are in the copier's pinned ring by then)."""
+    (host bytes bound for a device are in the copier's pinned ring by then, or their copy
+    is queued from pinned memory that torch's pinned-memory cache keeps until it has run)."""
     waiting: dict[str, list[Job]] = defaultdict(list)
     for job in jobs:
         for p in job.pieces():

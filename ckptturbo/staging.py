@@ -129,7 +129,9 @@ class DeviceCopier:
     """The one pinned-copy helper: host<->device copies on a side CUDA stream.
 
     Saves copy device tensors into pinned host buffers (:meth:`copy`, async, with an event
-    to wait on). Loads copy bytes from pageable memory to the device (:meth:`to_device`):
+    to wait on). Loads that can read bytes straight into pinned memory (:meth:`landing`)
+    queue their copies to the device from there (:meth:`upload`). Other loads copy bytes
+    from pageable memory to the device (:meth:`to_device`):
     a copy from pageable memory makes the driver stage it through its own pinned buffer,
     synchronously, so the bytes go through a small ring of our own pinned buffers instead
     and each host-to-device copy runs asynchronously while the next piece is copied in
