@@ -23,7 +23,7 @@ import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..prefetch import MemoryBudget
 from .format import Header
@@ -37,6 +37,17 @@ SHARD = re.compile(r"^(?P<head>.*-)(?P<index>\d+)(?P<of>-of-)(?P<count>\d+)(?P<t
 
 _lock = threading.Lock()
 _pending: dict[str, NextFile] = {}  # by URL: at most one per URL, claimed or dropped
+
+
+class HandleSettings(NamedTuple):
+    """What a ``safe_open`` handle reads with: a shard opened ahead with other settings is
+    not adopted (``pinned``: its tensors land in pinned memory, for a GPU)."""
+
+    chunk_size: int
+    streams: int
+    max_header_size: int
+    memory_limit: int
+    pinned: bool
 
 
 class LinkedBudget(MemoryBudget):
@@ -90,7 +101,7 @@ class NextFile:
     once all its reads have gone out it opens the shard after it in turn (``next``), so
     requests stay in flight across files while the budget allows."""
 
-    def __init__(self, url: str, settings: tuple[Any, ...], storage_options: dict[str, Any] | None,
+    def __init__(self, url: str, settings: HandleSettings, storage_options: dict[str, Any] | None,
                  budget: LinkedBudget, order_of: Callable[[Header], list[str]]) -> None:
         self.url = url
         self.settings = settings  # what a handle must be opened with to adopt it
@@ -105,22 +116,22 @@ class NextFile:
         self.adopted = False  # then its handle reads it and opens the next shard
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        streams = settings[1]
-        self.source = ByteSource(open_store(url, storage_options, streams), None, part_helpers=streams)
+        self.source = ByteSource(open_store(url, storage_options, settings.streams), None,
+                                 part_helpers=settings.streams)
         # threads of its own for the HEAD and header GET: the store's are busy with the
         # reads before it, and the point is to have its reads queued behind them already
         self._opener = ThreadPoolExecutor(2, thread_name_prefix="ckptturbo-next")
         self._ready: Future[None] = self._opener.submit(self._open)
 
     def _open(self) -> None:
-        chunk_size, streams, max_header_size = self.settings[:3]
+        settings = self.settings
         try:
-            file = open_file(self.source, max_header_size, self._opener.submit)
+            file = open_file(self.source, settings.max_header_size, self._opener.submit)
         finally:
             self._opener.shutdown(wait=False)
         self.order = self.order_of(file.header)
-        self.ahead = start_read_ahead(file, self.order, self.source, self.budget, chunk_size,
-                                      streams, shard_count(self.url), pinned=self.settings[4])
+        self.ahead = start_read_ahead(file, self.order, self.source, self.budget, settings.chunk_size,
+                                      settings.streams, shard_count(self.url), pinned=settings.pinned)
         self.file = file
         self._pump()  # its reads may all be out already: open the next shard now
 
@@ -199,7 +210,7 @@ def _unregister(found: NextFile) -> bool:
         return True
 
 
-def start_next(url: str, settings: tuple[Any, ...], storage_options: dict[str, Any] | None,
+def start_next(url: str, settings: HandleSettings, storage_options: dict[str, Any] | None,
                parent: MemoryBudget, order_of: Callable[[Header], list[str]]) -> NextFile | None:
     """Open the shard after ``url`` in the background (None: no next shard, or one is
     being opened already)."""
@@ -219,7 +230,7 @@ def start_next(url: str, settings: tuple[Any, ...], storage_options: dict[str, A
     return found
 
 
-def claim(url: str, settings: tuple[Any, ...], storage_options: dict[str, Any] | None) -> NextFile | None:
+def claim(url: str, settings: HandleSettings, storage_options: dict[str, Any] | None) -> NextFile | None:
     """The file opened ahead for ``url`` with these settings, if any (one opened with
     others is dropped: a handle reads with its own)."""
     with _lock:

@@ -25,7 +25,7 @@ from ..prefetch import MemoryBudget
 from ..staging import DeviceCopier
 from .format import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo, refuse_pickle_name, torch_layout
 from .headers import open_file
-from .nextfile import NextFile, claim, shard_count, start_next
+from .nextfile import HandleSettings, NextFile, claim, shard_count, start_next
 from .readahead import ReadAhead, guess_order, start_read_ahead
 from .source import ByteSource, open_store
 
@@ -204,8 +204,8 @@ class SafeOpen:
         self._ahead: ReadAhead | None = None
         self._budget = MemoryBudget(memory_limit)
         self._storage_options = storage_options
-        # the last: tensors bound for a GPU are read into pinned memory
-        self._settings = (chunk_size, streams, max_header_size, memory_limit, self.device.type == "cuda")
+        self._settings = HandleSettings(chunk_size, streams, max_header_size, memory_limit,
+                                        pinned=self.device.type == "cuda")
         self._next: NextFile | None = None  # the next shard, opened ahead by this handle
         self._next_tried = False
         self._order_of: Callable[[Header], list[str]] = _sorted_names  # the order the calls follow
@@ -276,7 +276,7 @@ class SafeOpen:
                 self._stop_ahead()
                 self._calls = None
             return None
-        if self._calls is None or (self._source.store.is_local and not self._settings[4]):
+        if self._calls is None or (self._source.store.is_local and not self._settings.pinned):
             return None  # a local file on the CPU is read per call: the page cache is ahead
         self._calls.append(info.name)
         guess = guess_order(self._calls, [self.keys(), self.offset_keys()])
@@ -294,7 +294,7 @@ class SafeOpen:
             self._drop_adopted()
             self._ahead = start_read_ahead(self._file, order, self._source, self._budget,
                                            self.chunk_size, self.streams, shard_count(self.name),
-                                           pinned=self._settings[4])
+                                           pinned=self._settings.pinned)
         slot = None if self._ahead is None else self._ahead.position(info.name)
         return None if slot is None else self._take(slot)
 
@@ -338,7 +338,8 @@ class SafeOpen:
 
     def _read(self, start: int, end: int) -> torch.Tensor:
         """Bytes [start, end) of the file as a fresh uint8 tensor (pinned when bound for a GPU)."""
-        buf = DeviceCopier.landing(end - start) if self._settings[4] else torch.empty(end - start, dtype=torch.uint8)
+        buf = (DeviceCopier.landing(end - start) if self._settings.pinned
+               else torch.empty(end - start, dtype=torch.uint8))
         out = buf.numpy()
         f = self._file
         if self._file.in_tail(end):
