@@ -34,11 +34,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.serving
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rfEs tests
 
 # on a machine with CUDA: the GPU-only tests (CUDA staging, pinned copies, NCCL)
 test-gpu: $(VENV)/.installed
-	$(PY) -m pytest -q -rs tests/gpu
+	$(PY) -m pytest -q -rfEs tests/gpu
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run all
@@ -48,7 +48,7 @@ bench: $(VENV)/.installed
 SOAK_TESTS := tests/test_crash_consistency.py tests/test_manifest_fuzz.py tests/test_reliability.py \
 	tests/test_fault_proxy.py tests/test_catalog.py tests/test_storage_faults.py
 soak: $(VENV)/.installed
-	CKPTTURBO_SOAK=1 $(PY) -m pytest -q -rs $(SOAK_TESTS)
+	CKPTTURBO_SOAK=1 $(PY) -m pytest -q -rfEs $(SOAK_TESTS)
 	$(PY) -m benchmarks.soak --out bench-out/soak
 
 clean:
