@@ -80,19 +80,25 @@ def load_state_dict(url: Any, *, storage_options: dict[str, Any] | None = None,
         **reader_options)
 
 
-def delete(url: Any, *, storage_options: dict[str, Any] | None = None) -> None:
+def delete(url: Any, *, storage_options: dict[str, Any] | None = None,
+           tiers: Tiers | None = None) -> None:
     """Make a checkpoint cease to exist; ``ckptturbo gc`` later frees its unshared chunks.
-    A save of it in flight in this process is waited for first; a missing one is a no-op."""
-    default_session().delete(url, storage_options=storage_options)
+    A save of it in flight in this process is waited for first; a missing one raises
+    CheckpointNotFound. ``tiers=``: from this node's memory tier too."""
+    default_session().delete(url, storage_options=storage_options, tiers=tiers)
 
 
-def exists(url: Any, *, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for)."""
-    return default_session().exists(url, storage_options=storage_options)
+def exists(url: Any, *, storage_options: dict[str, Any] | None = None,
+           tiers: Tiers | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for);
+    ``tiers=``: at ``url`` or in this node's memory tier."""
+    return default_session().exists(url, storage_options=storage_options, tiers=tiers)
 
 
 def list_checkpoints(run_url: Any, *, storage_options: dict[str, Any] | None = None,
-                     wait: bool = True) -> list[CheckpointInfo]:
+                     wait: bool = True, tiers: Tiers | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints directly under a run, oldest first; saves in flight in this
-    process under it are waited for, or with ``wait=False`` listed last as ``pending``."""
-    return default_session().list_checkpoints(run_url, storage_options=storage_options, wait=wait)
+    process under it are waited for, or with ``wait=False`` listed last as ``pending``.
+    ``tiers=``: those only in this node's memory tier too, each with the tiers that hold it."""
+    return default_session().list_checkpoints(run_url, storage_options=storage_options,
+                                              wait=wait, tiers=tiers)

@@ -130,6 +130,7 @@ class CheckpointInfo:
     items: int
     error: str | None = None  # set (and the sizes 0) when the manifest is unreadable
     pending: bool = False  # a save in flight in this process, not committed yet (wait=False)
+    tiers: tuple[str, ...] = ()  # listed across tiers (tiered_catalog): "memory", "durable"
 
 
 def committed(run_url: str, storage_options: dict[str, Any] | None, session: Session | None,

@@ -26,6 +26,7 @@ from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageErro
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
 from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
 from .store import Store
+from .tiered_catalog import list_tiered
 from .tiers import Tiers
 
 log = logging.getLogger("ckptturbo.cli")
@@ -179,28 +180,19 @@ def _ls_tiers(args: argparse.Namespace) -> int:
     which of the two holds it (a checkpoint only in memory is not durable)."""
     run = args.run.rstrip("/")
     tiers = Tiers(memory=args.memory, node=args.node)
-    memory_run = tiers.memory_run(run)
-    held: dict[str, list[str]] = {}
-    infos: dict[str, CheckpointInfo] = {}
-    for tier, where, options in (("memory", memory_run, None), ("durable", run, args.storage_options)):
-        for c in list_checkpoints(where, options, include_unreadable=True):
-            held.setdefault(c.name, []).append(tier if not c.error else f"{tier}(UNREADABLE)")
-            if not c.error or c.name not in infos:
-                infos[c.name] = c
-    found = sorted(infos.values(), key=lambda c: (c.created, c.name))
+    found = list_tiered(run, args.storage_options, tiers, include_unreadable=True)
     if not found and what_is_at(run, args.storage_options) == "missing":
         raise missing(run)  # a typo, not an empty run: as plain `ls` says
     if args.json:
-        print(json.dumps([ls_record(c, url=f"{run}/{c.name}", tiers=held[c.name]) for c in found],
-                         indent=2))
+        print(json.dumps([ls_record(c, tiers=list(c.tiers)) for c in found], indent=2))
         return EXIT_OK
     if not found:
-        print(f"no committed checkpoints under {run} nor in its memory tier {memory_run}",
+        print(f"no committed checkpoints under {run} nor in its memory tier {tiers.memory_run(run)}",
               file=sys.stderr)
         return EXIT_OK
     print_table(["NAME", "CREATED", "SIZE", "STORED", "ITEMS", "TIERS"],
                 [[c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes),
-                  c.items, ",".join(held[c.name])] for c in found], right={2, 3, 4})
+                  c.items, ",".join(c.tiers)] for c in found], right={2, 3, 4})
     return EXIT_OK
 
 

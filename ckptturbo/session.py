@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .catalog import CheckpointInfo
     from .chunk_index import ChunkIndex
     from .staging import SaveHandle
+    from .tiers import Tiers
     from .writer import TurboWriter
 
 log = logging.getLogger(__name__)
@@ -258,18 +259,28 @@ class Session:
 
         return load_state_dict(self, url, **kwargs)
 
-    def delete(self, url: Any, *, storage_options: dict[str, Any] | None = None) -> None:
+    def delete(self, url: Any, *, storage_options: dict[str, Any] | None = None,
+               tiers: Tiers | None = None) -> None:
         """Make a committed checkpoint cease to exist (a save of it in flight is waited for
-        first, so that it cannot commit afterwards); a missing one is left as it is."""
-        from . import catalog
+        first, so that it cannot commit afterwards). ``tiers``: from this node's memory tier
+        too (``tiered_catalog``)."""
+        from . import catalog, tiered_catalog
 
+        if tiers is not None:
+            tiered_catalog.delete_tiered(str(url), storage_options, tiers, session=self)
+            return
         catalog.delete_checkpoint(str(url), storage_options, session=self)
 
-    def exists(self, url: Any, *, storage_options: dict[str, Any] | None = None) -> bool:
-        """Whether a committed checkpoint is at ``url``, once a save of it in flight ends."""
+    def exists(self, url: Any, *, storage_options: dict[str, Any] | None = None,
+               tiers: Tiers | None = None) -> bool:
+        """Whether a committed checkpoint is at ``url``, once a save of it in flight ends.
+        ``tiers``: in this node's memory tier or at ``url``."""
+        from . import tiered_catalog
         from .errors import CheckpointNotFound
         from .layout import Location
 
+        if tiers is not None:
+            return tiered_catalog.exists_tiered(str(url), storage_options, tiers, session=self)
         wait_for_saves(url)
         try:
             Location(str(url), storage_options, session=self).read_manifest()
@@ -278,12 +289,16 @@ class Session:
         return True
 
     def list_checkpoints(self, run_url: Any, *, storage_options: dict[str, Any] | None = None,
-                         wait: bool = True) -> list[CheckpointInfo]:
+                         wait: bool = True, tiers: Tiers | None = None) -> list[CheckpointInfo]:
         """Committed checkpoints directly under a run, oldest first. Saves in flight in this
         process under the run are waited for; with ``wait=False`` they are listed at once,
-        last, with ``pending=True``."""
-        from . import catalog
+        last, with ``pending=True``. ``tiers``: those in this node's memory tier too, under
+        their durable URLs, each saying which tiers hold it (``CheckpointInfo.tiers``)."""
+        from . import catalog, tiered_catalog
 
+        if tiers is not None:
+            return tiered_catalog.list_tiered(str(run_url), storage_options, tiers, wait=wait,
+                                              session=self)
         return catalog.list_checkpoints(str(run_url), storage_options, wait=wait, session=self)
 
     # --- lifetime -----------------------------------------------------------------------

@@ -38,7 +38,7 @@ from . import eviction, peers, persist
 from .agreement import agree
 from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, Location, Manifest
+from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
 from .peers import Nodes, Replicated
 from .session import pending_saves
 from .staging import SaveHandle, SaveSummary
@@ -93,6 +93,10 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
 
     run_url, name = split_checkpoint(url)
     memory_url = tiers.memory_url(url)
+    if writer_options.get("store", RUN_STORE) not in (None, RUN_STORE):
+        raise CkptTurboError(f"saving {url}: tiers= keeps a run's chunks in one store per tier "
+                             "(replication and persists copy between them); store="
+                             f"{writer_options['store']!r} cannot be combined with it")
     if writer_options.get("overwrite") is False:  # the memory tier's writer checks its own
         Location(url, storage_options, session=session).refuse_committed()
     count = session.count_save(("tiers", run_url))

@@ -53,29 +53,33 @@ def save_tree(state: Mapping[str, Any], url: str, *, storage_options: dict[str, 
 
 
 def exists(url: str, storage_options: dict[str, Any] | None = None, *,
-           session: ct.Session | None = None) -> bool:
-    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for)."""
-    return _session(session).exists(str(url), storage_options=storage_options)
+           session: ct.Session | None = None, tiers: ct.Tiers | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for);
+    with ``tiers``, at ``url`` or in this node's memory tier."""
+    return _session(session).exists(str(url), storage_options=storage_options, tiers=tiers)
 
 
 def remove(url: str, storage_options: dict[str, Any] | None = None, *,
-           session: ct.Session | None = None) -> None:
+           session: ct.Session | None = None, tiers: ct.Tiers | None = None) -> None:
     """Make a checkpoint cease to exist (its manifest goes; chunks in a shared store wait for
     gc, a self-contained checkpoint's go with it); a save of it in flight is waited for
-    first, and a missing one is left as it is."""
+    first, and a missing one is left as it is. With ``tiers``, from this node's memory tier
+    too."""
     try:
-        _session(session).delete(str(url), storage_options=storage_options)
+        _session(session).delete(str(url), storage_options=storage_options, tiers=tiers)
     except ct.CheckpointNotFound:
         log.debug("%s: nothing to remove", url)
 
 
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
-                     wait: bool = True, session: ct.Session | None = None) -> list[Any]:
+                     wait: bool = True, session: ct.Session | None = None,
+                     tiers: ct.Tiers | None = None) -> list[Any]:
     """Committed checkpoints of a run, oldest first (catalog entries with ``name``, ``url``);
     saves in flight in this process under the run are waited for, or with ``wait=False``
-    listed last with ``pending=True``."""
+    listed last with ``pending=True``. With ``tiers``, those only in this node's memory
+    tier too, under their durable URLs."""
     return _session(session).list_checkpoints(str(run_url), storage_options=storage_options,
-                                              wait=wait)
+                                              wait=wait, tiers=tiers)
 
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,

@@ -71,16 +71,28 @@ class TurboCheckpointIO(TorchCheckpointIO):
         gc: with a shared store, after ``remove_checkpoint`` (``ModelCheckpoint(save_top_k=...)``)
             free the chunks no kept checkpoint uses, in the background once the saves in
             flight are durable. A self-contained checkpoint's chunks go with it.
+        tiers: a ``ckptturbo.Tiers``: each checkpoint commits to this node's host memory
+            and only every ``persist_every``-th goes to its path (docs/tiers.md). A
+            checkpoint only in memory keeps its path: on a local disk its directory exists
+            (empty), ``load_checkpoint`` finds it in memory, ``remove_checkpoint`` removes
+            it from both places. Needs ``store="run"`` (the default with tiers). Lightning
+            saves from global rank 0 alone, so there are no other nodes to replicate to.
         writer_options: passed to ``ckptturbo.TurboWriter`` (``chunk_size``, ...).
     """
 
     def __init__(self, storage_options: dict[str, Any] | None = None, *, grouped_load: bool = True,
-                 store: str = "checkpoint", gc: bool = True, **writer_options: Any) -> None:
+                 store: str | None = None, gc: bool = True, tiers: ct.Tiers | None = None,
+                 **writer_options: Any) -> None:
         super().__init__()
+        if tiers is not None and store not in (None, "run"):
+            raise ct.CkptTurboError(f"TurboCheckpointIO(tiers=...) keeps the chunks of a dirpath "
+                                    f"in one store per tier: store={store!r} cannot be combined "
+                                    "with it (leave store out, or pass store=\"run\")")
         self.storage_options = storage_options
         self.grouped_load = grouped_load
-        self.store = store
+        self.store = store or ("run" if tiers is not None else "checkpoint")
         self.gc = gc
+        self.tiers = tiers
         self.writer_options = writer_options
         self._handles: list[ct.SaveHandle] = []
         self._session: ct.Session | None = None
@@ -114,7 +126,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
             reserved = _reserve(url)
             handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
                                collective=False, session=self.session,
-                               store=_chunk_store(self.store), **self.writer_options)
+                               store=_chunk_store(self.store), tiers=self.tiers,
+                               **self.writer_options)
             if reserved:
                 handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
             self._handles.append(handle)
@@ -142,7 +155,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
             try:
                 return self.session.load_state_dict(url, storage_options=self.storage_options,
                                                     grouped=self.grouped_load, device=device,
-                                                    allow_pickle=weights_only is False)
+                                                    allow_pickle=weights_only is False,
+                                                    tiers=self.tiers)
             except ct.CheckpointNotFound as exc:
                 raise ct.CheckpointNotFound(f"Checkpoint file not found: {url} ({exc})") from exc
             finally:
@@ -160,7 +174,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
             if _is_local(url) and os.path.islink(fs_path) or fs.isfile(fs_path):
                 fs.rm(fs_path)
                 return
-            remove(url, self.storage_options, session=self.session)  # an empty directory goes too
+            remove(url, self.storage_options, session=self.session,  # an empty directory goes too
+                   tiers=self.tiers)
             if self.gc and _shared(self.store):
                 assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)

@@ -5,6 +5,7 @@ Real Lightning Trainers, real files and SeaweedFS; the DDP side is in test_integ
 from __future__ import annotations
 
 import pickle
+import shutil
 import threading
 from pathlib import Path
 
@@ -244,3 +245,59 @@ def test_fit_leaves_no_thread_and_the_plugin_is_reusable(tmp_path):
         assert new_threads(before) == []
         assert [c.name for c in catalog.list_checkpoints(str(run))] == [
             f"epoch={epochs - 1}-step={epochs * STEPS_PER_EPOCH}.ckpt"]
+
+
+class WeightsPerEpoch(pl.Callback):
+    """The module's weights at the end of each training epoch, as a checkpoint then holds them."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.weights[trainer.current_epoch] = {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def assert_weights(module: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    got = module.state_dict()
+    assert got.keys() == expected.keys()
+    for key in got:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_tiers_persist_every_nth_and_resume_from_memory_or_the_path(tmp_path):
+    """TurboCheckpointIO(tiers=...): every checkpoint commits to host memory, every second one
+    reaches its path too. A new Trainer resumes from either kind by its path; once the
+    memory is lost (the node rebooted) the persisted ones still load and the others are
+    not found; removing a checkpoint removes it from both places."""
+    run, mem = tmp_path / "run", tmp_path / "mem"
+    tiers = ct.Tiers(memory=str(mem), persist_every=2, node="n0")
+    with pytest.raises(ct.CkptTurboError, match="store='checkpoint' cannot be combined"):
+        TurboCheckpointIO(tiers=tiers, store="checkpoint")  # a tier's chunks are its run's
+    seen = WeightsPerEpoch()
+    every_epoch = ModelCheckpoint(dirpath=run, save_top_k=-1)
+    make_trainer(tmp_path, TurboCheckpointIO(tiers=tiers), epochs=4,
+                 callbacks=[every_epoch, seen]).fit(Tiny(), data())
+    names = [f"epoch={e}-step={(e + 1) * STEPS_PER_EPOCH}.ckpt" for e in range(4)]
+    listed = ct.list_checkpoints(str(run), tiers=tiers)
+    assert [(c.name, c.tiers) for c in listed] == [
+        (n, ("memory",) if e % 2 == 0 else ("memory", "durable")) for e, n in enumerate(names)]
+    assert [c.name for c in catalog.list_checkpoints(str(run))] == names[1::2]  # the path holds these
+
+    for epoch in (2, 3):  # memory only; both
+        resumed = Tiny()
+        trainer = make_trainer(tmp_path, TurboCheckpointIO(tiers=tiers), epochs=epoch + 1,
+                               checkpointing=False)
+        trainer.fit(resumed, data(), ckpt_path=run / names[epoch])  # restores, trains no further
+        assert trainer.global_step == (epoch + 1) * STEPS_PER_EPOCH
+        assert_weights(resumed, seen.weights[epoch])
+
+    io = TurboCheckpointIO(tiers=tiers)
+    io.remove_checkpoint(run / names[1])
+    assert [c.name for c in ct.list_checkpoints(str(run), tiers=tiers)] == [names[0], names[2], names[3]]
+    assert not (run / names[1]).exists()
+    shutil.rmtree(mem)  # the node's memory is lost: what was only there is gone
+    with pytest.raises(ct.CheckpointNotFound, match="Checkpoint file not found"):
+        io.load_checkpoint(run / names[2])
+    state = io.load_checkpoint(run / names[3])["state_dict"]
+    assert all(torch.equal(state[k], v) for k, v in seen.weights[3].items())
+    io.teardown()

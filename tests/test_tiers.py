@@ -98,6 +98,34 @@ def test_overwrite_false_refuses_a_checkpoint_in_either_tier(tmp_path, s3_server
         assert _same(out, tiered_state(3))  # left untouched
 
 
+def test_list_exists_and_delete_see_both_tiers_under_durable_names(tmp_path, s3_server):
+    """What adapters list, probe and rotate by durable URL: a checkpoint only in memory is
+    listed (its tiers say so), exists, and goes with delete; so does a persisted one from
+    both places. A chunk store of its own per checkpoint cannot be tiered."""
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=2, node="n0")
+    with ct.Session() as s:
+        for step in (1, 2, 3):
+            s.save(tiered_state(step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+        pending = s.list_checkpoints(run, storage_options=opts, tiers=tiers, wait=False)
+        assert pending[-1].name == "step-3" and (pending[-1].pending or pending[-1].tiers)
+        listed = s.list_checkpoints(run, storage_options=opts, tiers=tiers)
+        assert [(c.name, c.tiers, c.url) for c in listed] == [
+            ("step-1", ("memory",), f"{run}/step-1"), ("step-2", ("memory", "durable"), f"{run}/step-2"),
+            ("step-3", ("memory",), f"{run}/step-3")]
+        assert [c.name for c in s.list_checkpoints(run, storage_options=opts)] == ["step-2"]
+        assert s.exists(f"{run}/step-1", storage_options=opts, tiers=tiers)
+        assert not s.exists(f"{run}/step-1", storage_options=opts)
+        s.delete(f"{run}/step-1", storage_options=opts, tiers=tiers)
+        s.delete(f"{run}/step-2", storage_options=opts, tiers=tiers)
+        assert not s.exists(f"{run}/step-2", storage_options=opts, tiers=tiers)
+        assert [c.name for c in s.list_checkpoints(run, storage_options=opts, tiers=tiers)] == ["step-3"]
+        with pytest.raises(ct.CheckpointNotFound, match="step-1"):
+            s.delete(f"{run}/step-1", storage_options=opts, tiers=tiers)
+        with pytest.raises(ct.CkptTurboError, match="store='.' cannot be combined"):
+            s.save(tiered_state(4), f"{run}/step-4", storage_options=opts, tiers=tiers, store=".")
+
+
 def test_memory_tier_evicts_the_oldest_checkpoints_to_fit_its_budget(tmp_path, s3_server):
     run, opts = s3_server.url(), s3_server.storage_options
     one = 50_000 * 4 + 100 * 4  # tensor bytes of one checkpoint (the pickled step adds a little)
