@@ -83,10 +83,13 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
     doomed = bad + plan_eviction(held, budget, keep)
     for name in doomed:
         catalog.delete_checkpoint(f"{run_url}/{name}", session=session)
-    if doomed:
+    # chunks no manifest names: those of the doomed, or of checkpoints deleted since (an
+    # adapter's rotation deletes while a save is in flight, when gc must leave them)
+    if doomed or not present <= set().union(*(h.chunks for h in held)):
         try:
             catalog.collect_garbage(run_url, session=session)
         except CkptTurboError as exc:  # a save in flight: freed at the next eviction
-            log.warning("memory tier %s: evicted %s, chunks not freed yet: %s", run_url, doomed, exc)
+            log.warning("memory tier %s: chunks not freed yet: %s", run_url, exc)
+    if doomed:
         log.info("memory tier %s: evicted %s to stay within %d bytes", run_url, doomed, budget)
     return doomed

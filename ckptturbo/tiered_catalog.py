@@ -14,16 +14,19 @@ holds, so a rotation that deletes the oldest ones never brings one back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
-from .catalog import CheckpointInfo, delete_checkpoint, list_checkpoints
-from .errors import CheckpointNotFound
+from .catalog import CheckpointInfo, collect_garbage, delete_checkpoint, list_checkpoints
+from .errors import CheckpointNotFound, CkptTurboError
 from .layout import Location
 from .session import wait_for_saves
-from .tiers import Tiers
+from .tiers import Tiers, split_checkpoint
 
 if TYPE_CHECKING:
     from .session import Session
+
+log = logging.getLogger(__name__)
 
 MEMORY, DURABLE = "memory", "durable"
 
@@ -72,16 +75,27 @@ def exists_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers
 def delete_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
                   session: Session | None = None) -> None:
     """Delete a checkpoint from this node's memory tier and from the durable store, from
-    each that holds it (a save of it in flight is waited for first); raises
-    CheckpointNotFound when neither does."""
+    each that holds it (a save of it in flight is waited for first), and free the memory
+    tier's chunks it alone named; raises CheckpointNotFound when neither holds it."""
     wait_for_saves(url)  # tracked by its durable URL: the memory copy's delete would not wait
     found = False
     for where, options in ((tiers.memory_url(url), None), (url, storage_options)):
         try:
             delete_checkpoint(where, options, session=session)
-            found = True
         except CheckpointNotFound:
             continue
+        found = True
+        if options is None:  # host memory is scarce: free its chunks now, not at an eviction
+            _free_memory(tiers.memory_run(split_checkpoint(url)[0]), session)
     if not found:
         raise CheckpointNotFound(f"no checkpoint at {url} nor at {tiers.memory_url(url)} "
                                  "(its copy in this node's memory tier)")
+
+
+def _free_memory(memory_run: str, session: Session | None) -> None:
+    """Free the memory tier's chunks no checkpoint names; with a save of the run in flight
+    gc must leave them, and the eviction after that save's commit frees them."""
+    try:
+        collect_garbage(memory_run, session=session)
+    except CkptTurboError as exc:
+        log.debug("memory tier %s: chunks freed at the next eviction (%s)", memory_run, exc)

@@ -90,7 +90,8 @@ def _agreed_name(name: str | None) -> str:
 
 def save(state_dict: dict[str, Any], metrics: dict[str, Any] | None = None, *,
          checkpoint_dir_name: str | None = None, storage_options: dict[str, Any] | None = None,
-         process_group: Any = None, gc: bool = True, **save_options: Any) -> ct.SaveHandle:
+         process_group: Any = None, gc: bool = True, tiers: ct.Tiers | None = None,
+         **save_options: Any) -> ct.SaveHandle:
     """Save this worker's state and report it to Ray once durable; every worker calls it.
 
     Returns after ``handle.staged``: the state may be mutated from then on while the
@@ -100,6 +101,12 @@ def save(state_dict: dict[str, Any], metrics: dict[str, Any] | None = None, *,
     raised in the training loop by Ray, as for its own uploads. ``storage_options`` are
     the fsspec options that reach ``RunConfig.storage_path`` (S3 endpoint and keys).
     With ``gc=True`` rank 0 frees chunks that deleted checkpoints alone used.
+
+    ``tiers``: a tiered save (docs/tiers.md). Ray registers checkpoints by their storage
+    paths, so only the persisted ones (every ``persist_every``-th) are reported with a
+    checkpoint; the others are reported as metrics alone and live in host memory, within
+    its budget (``num_to_keep`` does not count them). :func:`load` with the same tiers
+    restores the newest of either kind.
     """
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
@@ -110,8 +117,11 @@ def save(state_dict: dict[str, Any], metrics: dict[str, Any] | None = None, *,
     run = storage_url(storage.storage_filesystem, experiment)
     url = storage_url(storage.storage_filesystem, path)
     handle = ct.save(state_dict, url, process_group=process_group,
-                     storage_options=storage_options, **save_options)
+                     storage_options=storage_options, tiers=tiers, **save_options)
     handle.staged.result()
+    if tiers is not None and not handle.persisted:  # in memory only: not a path Ray can hold
+        ray.train.report(dict(metrics or {}))
+        return handle
     rank = ray.train.get_context().get_world_rank()
     checkpoint = Checkpoint(path, filesystem=storage.storage_filesystem)
 
@@ -152,21 +162,34 @@ def checkpoint_url(checkpoint: Any) -> str:
 
 def load(state_dict: dict[str, Any], checkpoint: Any = None, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None,
-         **load_options: Any) -> str | None:
+         tiers: ct.Tiers | None = None, **load_options: Any) -> str | None:
     """Load ``ray.train.get_checkpoint()`` (or ``checkpoint``) into ``state_dict`` in place.
 
     Every worker calls it; each chunk is read from storage by one worker and forwarded to
     the others that need it (ckptturbo's grouped load). Returns the checkpoint's URL, or
     None (state untouched) when the run has no checkpoint yet.
+
+    ``tiers``: without ``checkpoint``, the newest checkpoint of the run that the tiers can
+    assemble, which may be newer than Ray's (one only in memory), each chunk from the
+    nearest holder; with it, that checkpoint from the nearest holder.
     """
     if checkpoint is None:
         import ray.train
 
-        checkpoint = ray.train.get_checkpoint()
+        reported = ray.train.get_checkpoint()
+        if tiers is not None:  # the run: its newest checkpoint may be newer than Ray's
+            try:
+                return ct.load(state_dict, run_url(), process_group=process_group,
+                               storage_options=storage_options, tiers=tiers, **load_options).url
+            except ct.CheckpointNotFound:
+                if reported is not None:
+                    raise
+                return None  # a first start: neither Ray nor the tiers hold a checkpoint
+        checkpoint = reported
     if checkpoint is None:
         return None
     url = checkpoint_url(checkpoint)
     ct.load(state_dict, url, process_group=process_group, storage_options=storage_options,
-            **load_options)
+            tiers=tiers, **load_options)
     return url
 

@@ -59,6 +59,10 @@ class TurboCheckpointCallback(TrainerCallback):
         url: run root for ``checkpoint-<step>`` checkpoints, a path or ``s3://`` URL;
             default: ``args.output_dir``.
         storage_options: fsspec options for ``url`` (endpoint, keys, ...).
+        tiers: a ``ckptturbo.Tiers``: each checkpoint commits to host memory (and the
+            other nodes' memory) first, and only every ``persist_every``-th goes to ``url``
+            (docs/tiers.md). Rotation, resume (``True``: the newest in either place) and the
+            best model see both places; a rotated checkpoint leaves both.
         writer_options: passed to ``ckptturbo.TurboWriter``.
 
     ``intercept`` (default True) makes ``on_step_end``/``on_epoch_end`` take over the
@@ -67,9 +71,10 @@ class TurboCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, url: str | None = None, storage_options: dict[str, Any] | None = None,
-                 **writer_options: Any) -> None:
+                 *, tiers: ct.Tiers | None = None, **writer_options: Any) -> None:
         self.url = url
         self.storage_options = storage_options
+        self.tiers = tiers
         self.writer_options = writer_options
         self.intercept = True
         self.best: str | None = None  # URL of the best checkpoint, as state.best_model_checkpoint
@@ -90,7 +95,8 @@ class TurboCheckpointCallback(TrainerCallback):
         """
         root = self.root(args)
         found = {}
-        for info in list_checkpoints(root, storage_options=self.storage_options, wait=wait):
+        for info in list_checkpoints(root, storage_options=self.storage_options, wait=wait,
+                                     tiers=self.tiers):
             match = _STEP.match(info.name)
             if match:
                 found[int(match.group(1))] = f"{root}/{info.name}"
@@ -101,7 +107,7 @@ class TurboCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         with ckptturbo_errors("checking the best checkpoint of", self.root(args)):
             recorded = self.best or state.best_model_checkpoint
-            self.best = recorded if recorded and exists(recorded, self.storage_options) else None
+            self.best = recorded if recorded and self.exists(recorded) else None
             if not self.intercept:
                 state.best_model_checkpoint = self.best
         return control
@@ -131,7 +137,7 @@ class TurboCheckpointCallback(TrainerCallback):
             if args.should_save and self.best is not None and args.save_total_limit == 1:
                 for url in self.checkpoints(args).values():  # the Trainer keeps only the best
                     if url != self.best:
-                        remove(url, self.storage_options)
+                        remove(url, self.storage_options, tiers=self.tiers)
                 self._gc.schedule(self.root(args), [])
                 self._gc.finish()
         return control
@@ -161,7 +167,7 @@ class TurboCheckpointCallback(TrainerCallback):
                 tree["scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
                 tree["scaler"] = scaler.state_dict() if scaler is not None else None
             handle = save_tree(tree, url, storage_options=self.storage_options, collective=True,
-                               **self.writer_options)
+                               tiers=self.tiers, **self.writer_options)
             handle.staged.result()
             self.handles.append(handle)
             if args.should_save:
@@ -175,7 +181,7 @@ class TurboCheckpointCallback(TrainerCallback):
         if not state.best_global_step:
             return
         url = self.url_of(args, state.best_global_step)
-        if url == saving or (url != self.best and exists(url, self.storage_options)):
+        if url == saving or (url != self.best and self.exists(url)):
             self.best = url
 
     def _rotate(self, args: Any, newest: str) -> None:
@@ -191,8 +197,8 @@ class TurboCheckpointCallback(TrainerCallback):
         protected = {ordered[-1], newest} | ({self.best} if self.best else set())
         excess = len(ordered) - max(limit, len(protected))
         doomed = [url for url in ordered if url not in protected][:max(excess, 0)]
-        for url in doomed:  # older saves are durable: each save of a run waits for the one before
-            remove(url, self.storage_options)
+        for url in doomed:  # older saves are committed: each save of a run waits for the one before
+            remove(url, self.storage_options, tiers=self.tiers)
         if doomed:
             self._gc.schedule(self.root(args), self.handles)
 
@@ -209,6 +215,10 @@ class TurboCheckpointCallback(TrainerCallback):
                 handle.wait()
             self._gc.finish()
 
+    def exists(self, url: str) -> bool:
+        """Whether checkpoint ``url`` is committed (with tiers: here or in this node's memory)."""
+        return exists(url, self.storage_options, tiers=self.tiers)
+
     def load_model(self, url: str, model: Any) -> None:
         """Load the model weights of checkpoint ``url`` into ``model`` in place (the rest
         of the checkpoint is not read); every rank calls it."""
@@ -216,7 +226,7 @@ class TurboCheckpointCallback(TrainerCallback):
             module = _unwrap(model)
             state = module.state_dict()
             ct.load({f"model.{k}": v for k, v in state.items()}, url,
-                    storage_options=self.storage_options, strict=False)
+                    storage_options=self.storage_options, strict=False, tiers=self.tiers)
             module.load_state_dict(state)
             log.info("loaded the model of %s", url)
 
@@ -232,14 +242,15 @@ class TurboTrainerMixin:
     from them and loads the best one from them.
 
     ``class MyTrainer(TurboTrainerMixin, Trainer)``; ``turbo_url`` / ``turbo_storage_options``
-    keyword arguments configure the callback. It takes the place of the Trainer's private
+    / ``turbo_tiers`` keyword arguments configure the callback. It takes the place of the Trainer's private
     ``_save_checkpoint`` and ``_load_best_model`` (transformers as pinned in pyproject.toml).
     """
 
     def __init__(self, *args: Any, turbo_url: str | None = None,
-                 turbo_storage_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 turbo_storage_options: dict[str, Any] | None = None,
+                 turbo_tiers: ct.Tiers | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.turbo = TurboCheckpointCallback(turbo_url, turbo_storage_options)
+        self.turbo = TurboCheckpointCallback(turbo_url, turbo_storage_options, tiers=turbo_tiers)
         self.turbo.intercept = False
         self.add_callback(self.turbo)
 
@@ -283,14 +294,13 @@ class TurboTrainerMixin:
         best = self.state.best_model_checkpoint
         self.turbo.wait()
         with ckptturbo_errors("loading the best model from", best):
-            if not exists(best, self.turbo.storage_options):
+            if not self.turbo.exists(best):
                 return super()._load_best_model()
         log.info("loading best model from %s (score: %s)", best, self.state.best_metric)
         self.turbo.load_model(best, self.model)
         return None
 
     def _turbo_resolve(self, resume: str | bool | None) -> str | None:
-        opts = self.turbo.storage_options
         if resume is True:
             found = self.turbo.checkpoints(self.args)
             if not found:
@@ -299,7 +309,7 @@ class TurboTrainerMixin:
             return found[max(found)]
         if isinstance(resume, (str, os.PathLike)):
             resume = os.fspath(resume)
-            if exists(resume, opts):
+            if self.turbo.exists(resume):
                 return resume
             if "://" in resume and not resume.startswith("file://"):
                 raise ct.CheckpointNotFound(f"no committed ckptturbo checkpoint at {resume}")
@@ -307,7 +317,8 @@ class TurboTrainerMixin:
 
     def _turbo_materialize(self, url: str, local: str) -> None:
         """Write the checkpoint as the Trainer's own files, which its resume path reads."""
-        tree = ct.load_state_dict(url, storage_options=self.turbo.storage_options)
+        tree = ct.load_state_dict(url, storage_options=self.turbo.storage_options,
+                                  tiers=self.turbo.tiers)
         rank, world = rank_and_world()
         torch.save(tree["model"], os.path.join(local, "pytorch_model.bin"))
         for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"),

@@ -31,6 +31,7 @@ def train_fn(config: dict) -> None:
     from ray.train.torch import prepare_model
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    import ckptturbo as ct
     from ckptturbo.integrations import ray_train as rt
 
     ctx = ray.train.get_context()
@@ -43,7 +44,8 @@ def train_fn(config: dict) -> None:
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "progress": {"step": torch.zeros((), dtype=torch.int64)}}
     start = 0
-    url = rt.load(state, storage_options=options)
+    tiers = ct.Tiers(**config["tiers"]) if config.get("tiers") else None
+    url = rt.load(state, storage_options=options, tiers=tiers)
     if url is not None:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = int(state["progress"]["step"])
@@ -65,7 +67,7 @@ def train_fn(config: dict) -> None:
             state = {"model": msd, "optim": osd,
                      "progress": {"step": torch.tensor(step, dtype=torch.int64)}}
             handles.append((step, rt.save(state, {"step": step, "loss": float(loss)},
-                                          storage_options=options)))
+                                          storage_options=options, tiers=tiers)))
         marker = os.path.join(out, "killed")
         if step == config.get("kill_at") and rank == 1 and not os.path.exists(marker):
             handles[-1][1].wait(120)
@@ -75,7 +77,7 @@ def train_fn(config: dict) -> None:
 
     with open(os.path.join(out, f"saves-rank{rank}.jsonl"), "a") as f:
         for step, handle in handles:
-            s = handle.wait(120)
+            s = handle.wait(120) or handle.local.result()  # a tiered save only in memory
             f.write(json.dumps({"step": step, "url": s.url, "bytes_written": s.bytes_written,
                                 "bytes_reused": s.bytes_reused,
                                 "chunks_written": s.chunks_written}) + "\n")

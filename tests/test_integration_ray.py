@@ -47,7 +47,8 @@ def _arrow_fs(server):
                                    endpoint_override=host, scheme="http", region="us-east-1")
 
 
-def _fit(server, prefix: str, name: str, out: str, kill_at: int | None = None):
+def _fit(server, prefix: str, name: str, out: str, kill_at: int | None = None,
+         tiers: dict | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -58,7 +59,7 @@ def _fit(server, prefix: str, name: str, out: str, kill_at: int | None = None):
         train_fn,
         train_loop_config={"out": out, "storage_options": server.storage_options,
                            "steps": STEPS, "every": EVERY, "kill_at": kill_at,
-                           "step_s": 0.5},
+                           "step_s": 0.5, "tiers": tiers},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(name=name, storage_path=prefix, storage_filesystem=_arrow_fs(server),
                              checkpoint_config=CheckpointConfig(num_to_keep=KEEP),
@@ -141,10 +142,28 @@ def test_train_kill_restore_dedup_and_gc(s3_server, local_ray, tmp_path):
         assert restored["step"] == 4
         assert restored["url"].startswith(f"s3://{prefix}/killed/checkpoint_")
     final_a = torch.load(os.path.join(out_a, "final-model.pt"))
-    final_b = torch.load(os.path.join(out_b, "final-model.pt"))
-    assert final_a.keys() == final_b.keys()
-    for k in final_a:
-        assert torch.equal(final_a[k], final_b[k]), k
+    assert_same_model(final_a, torch.load(os.path.join(out_b, "final-model.pt")))
+
+    # --- a tiered run (every second save persisted) killed after the checkpoint of step 6,
+    # which is only in host memory: Ray's latest is step 4, the tiers restore step 6
+    out_c = str(tmp_path / "c")
+    tiers = {"memory": str(tmp_path / "mem"), "persist_every": 2, "node": "n0"}
+    result_c = _fit(s3_server, prefix, "tiered", out_c, kill_at=7, tiers=tiers)
+    assert result_c.error is None
+    for rank in (0, 1):
+        with open(os.path.join(out_c, f"restored-rank{rank}.json")) as f:
+            restored = json.load(f)
+        assert restored["step"] == 6
+        assert restored["url"].startswith(f"s3://{prefix}/tiered/checkpoint_")
+        assert not fs.exists(f"{restored['url']}/manifest.json")  # it never reached the bucket
+    assert fs.exists(f"{rt.checkpoint_url(result_c.checkpoint)}/manifest.json")  # Ray's are durable
+    assert_same_model(final_a, torch.load(os.path.join(out_c, "final-model.pt")))
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def _tensor_bytes() -> int:

@@ -154,6 +154,37 @@ def test_best_model_kept_and_loaded_after_resume_s3(tmp_path, s3_server):
     assert_same_weights(dict(b.model.state_dict()), model_of(f"{root}/checkpoint-4", opts))
 
 
+def test_tiers_rotate_both_places_and_resume_from_memory_s3(tmp_path, s3_server):
+    """With tiers every checkpoint commits to host memory and every second one reaches the
+    bucket; ``save_total_limit`` counts both places and a rotated checkpoint leaves both (its
+    chunks in memory are freed); a resume from a checkpoint only in memory is exact, and
+    ``resume_from_checkpoint=True`` finds the newest in either place."""
+    root, opts = s3_server.url("tiers"), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=2, node="n0")
+
+    def trainer(name: str, seed: int, max_steps: int) -> Trainer:
+        return make_trainer(str(tmp_path / name), seed=seed, max_steps=max_steps, turbo_url=root,
+                            turbo_storage_options=opts, turbo_tiers=tiers)
+
+    a = trainer("a", seed=0, max_steps=8)
+    a.train()  # saves 2 (memory), 4 (both), 6 (memory), 8 (both); the limit of 2 drops 2 and 4
+    listed = ct.list_checkpoints(root, storage_options=opts, tiers=tiers)
+    assert [(c.name, c.tiers) for c in listed] == [("checkpoint-6", ("memory",)),
+                                                   ("checkpoint-8", ("memory", "durable"))]
+    assert names(root, opts) == ["checkpoint-8"]
+    assert catalog.collect_garbage(tiers.memory_run(root), dry_run=True).deleted == 0  # freed
+
+    b = trainer("b", seed=1, max_steps=8)
+    b.train(resume_from_checkpoint=f"{root}/checkpoint-6")  # in memory only
+    assert steps_run(b) == [7, 8]
+    want, got = training_state(a), training_state(b)
+    assert got["step"] == want["step"] == 8 and got["sched"] == want["sched"]
+    assert_same_model_and_optimizer(want["model"], got["model"], want["optim"], got["optim"])
+    c = trainer("c", seed=1, max_steps=10)
+    c.train(resume_from_checkpoint=True)  # the newest in either place: checkpoint-8
+    assert steps_run(c) == [9, 10]
+
+
 def test_callback_alone_limit_and_best(tmp_path):
     """The callback on a plain Trainer: the same rotation, and the best model loaded at the end."""
     out = str(tmp_path / "out")
