@@ -84,13 +84,9 @@ class TurboCheckpointIO(TorchCheckpointIO):
                  store: str | None = None, gc: bool = True, tiers: ct.Tiers | None = None,
                  **writer_options: Any) -> None:
         super().__init__()
-        if tiers is not None and store not in (None, "run"):
-            raise ct.CkptTurboError(f"TurboCheckpointIO(tiers=...) keeps the chunks of a dirpath "
-                                    f"in one store per tier: store={store!r} cannot be combined "
-                                    "with it (leave store out, or pass store=\"run\")")
         self.storage_options = storage_options
         self.grouped_load = grouped_load
-        self.store = store or ("run" if tiers is not None else "checkpoint")
+        self.store = _tiered_store(store, tiers)
         self.gc = gc
         self.tiers = tiers
         self.writer_options = writer_options
@@ -241,6 +237,16 @@ def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any
     return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=weights_only, **kwargs)
 
 
+def _tiered_store(store: str | None, tiers: ct.Tiers | None) -> str:
+    """The adapter's ``store``: by default "checkpoint", or "run" with tiers, which keep the
+    chunks of a dirpath in one store per tier (replication and persists copy between them)."""
+    if tiers is not None and store not in (None, "run"):
+        raise ct.CkptTurboError(f"tiers= keeps the chunks of a dirpath in one store per tier: "
+                                f"store={store!r} cannot be combined with it (leave store out, "
+                                "or pass \"run\")")
+    return store or ("run" if tiers is not None else "checkpoint")
+
+
 def _is_local(url: str) -> bool:
     return fsspec.utils.get_protocol(url) in ("file", "local")
 
@@ -272,11 +278,14 @@ class _TurboShardedCheckpoints:
     load the model's and optimizers' own sharded state dicts are the templates, so each
     rank reads its shards (any resharding DCP supports), and the rest of Lightning's dict
     is rebuilt without a template. Paths are plain strings, so ``s3://`` stays intact.
-    ``turbo_store`` is ``TurboCheckpointIO``'s ``store``: self-contained checkpoints by default.
+    ``turbo_store`` is ``TurboCheckpointIO``'s ``store``: self-contained checkpoints by
+    default; ``turbo_tiers`` its ``tiers`` (then the run's store), every rank's shards
+    replicated to other nodes' memory.
     """
 
     turbo_storage_options: dict[str, Any] | None = None
     turbo_store: str = "checkpoint"
+    turbo_tiers: ct.Tiers | None = None
 
     def _turbo_handles(self) -> list[Any]:
         if not hasattr(self, "_turbo_inflight"):
@@ -292,7 +301,7 @@ class _TurboShardedCheckpoints:
                 raise handle.durable.exception()
         opts = {**(self.turbo_storage_options or {}), **dict(storage_options or {})} or None
         handle = save_tree(checkpoint, url, storage_options=opts, collective=True,
-                           store=_chunk_store(self.turbo_store))
+                           store=_chunk_store(self.turbo_store), tiers=self.turbo_tiers)
         handles.append(handle)
         handle.staged.result()
 
@@ -308,7 +317,8 @@ class _TurboShardedCheckpoints:
                              "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]})
         templates.pop(SKELETON_KEY)
         tree = ct.load_state_dict(url, storage_options=self.turbo_storage_options,
-                                  templates=templates, allow_pickle=weights_only is False)
+                                  templates=templates, allow_pickle=weights_only is False,
+                                  tiers=self.turbo_tiers)
         set_model_state_dict(self.model, tree["state_dict"])
         for opt, sd in zip(optimizers, tree.get("optimizer_states", [])):
             set_optimizer_state_dict(self.model, opt, sd)
@@ -322,7 +332,7 @@ class _TurboShardedCheckpoints:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            remove(str(filepath), self.turbo_storage_options)
+            remove(str(filepath), self.turbo_storage_options, tiers=self.turbo_tiers)
             if not _shared(self.turbo_store):
                 return  # its chunks went with it
             if not hasattr(self, "_turbo_gc"):
@@ -344,13 +354,16 @@ def _strategy(base: type) -> type:
     class Turbo(_TurboShardedCheckpoints, base):  # type: ignore[valid-type, misc]
         __doc__ = (f"``{base.__name__}`` saving sharded ckptturbo checkpoints (local or ``s3://``). "
                    "Pass ``turbo_storage_options=`` for the object store, ``turbo_store=\"run\"`` "
-                   "to share one chunk store among the checkpoints of a directory.")
+                   "to share one chunk store among the checkpoints of a directory, "
+                   "``turbo_tiers=`` for tiered checkpoints (docs/tiers.md).")
 
         def __init__(self, *args: Any, turbo_storage_options: dict[str, Any] | None = None,
-                     turbo_store: str = "checkpoint", **kwargs: Any) -> None:
+                     turbo_store: str | None = None, turbo_tiers: ct.Tiers | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.turbo_storage_options = turbo_storage_options
-            self.turbo_store = turbo_store
+            self.turbo_store = _tiered_store(turbo_store, turbo_tiers)
+            self.turbo_tiers = turbo_tiers
 
     Turbo.__name__ = Turbo.__qualname__ = f"Turbo{base.__name__}"
     return Turbo

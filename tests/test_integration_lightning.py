@@ -187,7 +187,17 @@ def test_model_parallel_sharded_save_and_resume(tmp_path):
     ckpt = ct.TurboReader(str(tmp_path / "a" / "epoch=1-step=8.ckpt")).read_manifest()
     assert any(len(item.shards) == 2 for item in ckpt.items.values())  # saved as shards, not gathered
     run(str(tmp_path / "b"), "3", str(tmp_path / "a" / "epoch=1-step=8.ckpt"))
-    a, b = torch.load(tmp_path / "a.final.pt"), torch.load(tmp_path / "b.final.pt")
+    a = torch.load(tmp_path / "a.final.pt")
+    assert_same_tensors(a, torch.load(tmp_path / "b.final.pt"))
+    # tiered (turbo_tiers, every second checkpoint persisted): resume from one only in memory
+    mem = str(tmp_path / "mem")
+    run(str(tmp_path / "c"), "3", "--tiers", mem)
+    assert [c.name for c in catalog.list_checkpoints(str(tmp_path / "c"))] == ["epoch=1-step=8.ckpt"]
+    run(str(tmp_path / "d"), "3", str(tmp_path / "c" / "epoch=0-step=4.ckpt"), "--tiers", mem)
+    assert_same_tensors(a, torch.load(tmp_path / "d.final.pt"))
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -3,6 +3,7 @@ configure_model; runs on 2 CPU ranks with gloo) or TurboFSDPStrategy(state_dict_
 (CUDA only, as Lightning's FSDPStrategy).
 
 Usage: lightning_model_parallel.py DIRPATH EPOCHS [CKPT] [--strategy model_parallel|fsdp] [--cuda]
+       [--tiers MEMORY_DIR]
 Rank 0 writes the full final weights to DIRPATH.final.pt.
 """
 import argparse
@@ -14,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
+import ckptturbo as ct
 from ckptturbo.integrations.lightning import TurboFSDPStrategy, TurboModelParallelStrategy
 
 
@@ -47,15 +49,18 @@ def main() -> None:
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--strategy", default="model_parallel", choices=["model_parallel", "fsdp"])
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--tiers", help="memory tier directory: every second checkpoint persisted")
     args = p.parse_args()
+    tiers = ct.Tiers(memory=args.tiers, persist_every=2, node="n0") if args.tiers else None
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     pl.seed_everything(1)
     devices = max(torch.cuda.device_count(), 1) if args.cuda else 2
     if args.strategy == "fsdp":
-        strategy = TurboFSDPStrategy(state_dict_type="sharded")
+        strategy = TurboFSDPStrategy(state_dict_type="sharded", turbo_tiers=tiers)
     else:
-        strategy = TurboModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+        strategy = TurboModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+                                              turbo_tiers=tiers)
     trainer = pl.Trainer(accelerator="cuda" if args.cuda else "cpu", devices=devices, strategy=strategy,
                          max_epochs=args.epochs, callbacks=[ModelCheckpoint(dirpath=args.dirpath, save_top_k=-1)],
                          logger=False, enable_progress_bar=False)
