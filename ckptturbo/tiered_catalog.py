@@ -61,7 +61,7 @@ def list_tiered(run_url: str, storage_options: dict[str, Any] | None, tiers: Tie
 def exists_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
                   session: Session | None = None) -> bool:
     """Whether a committed checkpoint is at ``url`` in this node's memory tier or the durable
-    store, once a save of it in flight in this process has committed to memory."""
+    store, once a save of it in flight in this process has ended."""
     wait_for_saves(url)
     for where, options in ((tiers.memory_url(url), None), (url, storage_options)):
         try:
