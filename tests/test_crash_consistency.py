@@ -136,7 +136,10 @@ def _runs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[C
 
 
 @pytest.mark.parametrize("store", ["local", "s3"])
-def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request):
+def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request, monkeypatch):
+    # gc leaves a temporary chunk file (a write in progress) alone for its own process's
+    # lease: the jobs' lease here too, or a killed writer's files would outlive the test
+    monkeypatch.setenv(LEASE_ENV, str(LEASE))
     rng = random.Random(20261122)
     run_url, options = _runs(store, tmp_path, request)
     seen_committed = 0
