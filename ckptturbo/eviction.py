@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from .errors import CkptTurboError, FormatError
+from .store import TEMP_PREFIX
 
 if TYPE_CHECKING:
     from .session import Session
@@ -85,7 +86,8 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
         catalog.delete_checkpoint(f"{run_url}/{name}", session=session)
     # chunks no manifest names: those of the doomed, or of checkpoints deleted since (an
     # adapter's rotation deletes while a save is in flight, when gc must leave them)
-    if doomed or not present <= set().union(*(h.chunks for h in held)):
+    named = set().union(*(h.chunks for h in held))
+    if doomed or any(c not in named and not c.startswith(TEMP_PREFIX) for c in present):
         try:
             catalog.collect_garbage(run_url, session=session)
         except CkptTurboError as exc:  # a save in flight: freed at the next eviction
