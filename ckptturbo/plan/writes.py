@@ -13,6 +13,9 @@ from ..errors import PlanError
 from .balance import Group, balance
 from .checks import check_size, check_weights, group_members
 
+# small last pieces are bundled up to this fraction of a holder's fair share (_write_group)
+BUNDLES_PER_HOLDER = 8
+
 
 @dataclass(frozen=True, slots=True)
 class PlanItem:
@@ -58,16 +61,17 @@ def plan_writes(
     groups = []
     holders_of = [tuple(it.holders) for it in ordered]
     keys = [it.key for it in ordered]
+    bundles: list[list[tuple[int, int]]] = []
     for holders, members in group_members(holders_of, "item", keys, world_size).items():
         if len(holders) == 1:
             for i in members:
                 out[holders[0]].append([ordered[i].key, 0, ordered[i].nbytes])
                 load[holders[0]] += ordered[i].nbytes
         else:
-            groups.append(_write_group(holders, members, ordered, chunk_size))
+            groups.append(_write_group(holders, members, ordered, chunk_size, bundles))
     balance(groups, load, w, chunk_size)
     for g in groups:
-        _emit_group(g, ordered, chunk_size, out)
+        _emit_group(g, ordered, chunk_size, bundles, out)
     return [
         [ByteRange(k, s, e) for k, s, e in sorted(ranges, key=lambda x: (x[0], x[1]))]
         for ranges in out
@@ -116,21 +120,45 @@ def _sorted_items(items: Sequence[PlanItem]) -> list[PlanItem]:
 
 
 def _write_group(
-    holders: tuple[int, ...], members: list[int], ordered: list[PlanItem], chunk: int
+    holders: tuple[int, ...], members: list[int], ordered: list[PlanItem], chunk: int,
+    bundles: list[list[tuple[int, int]]],
 ) -> Group:
-    """Split a holder set's items into whole chunks and indivisible last pieces."""
-    whole, pieces, total = 0, [], 0
+    """Split a holder set's items into whole chunks and indivisible last pieces.
+
+    Small last pieces (biases, norms, optimizer steps) go out in bundles, in key order, of
+    up to 1/``BUNDLES_PER_HOLDER`` of a holder's fair share (never more than a chunk, so
+    the balance bound holds): one piece each, the ranks that write them would each pack
+    one tiny chunk, and the number of chunks, the manifest and every rank's load plan
+    would grow with the world. A group piece is (size, bundle index)."""
+    whole, small, total = 0, [], 0
     for i in members:
         n = ordered[i].nbytes
         total += n
         whole += n // chunk
         if n % chunk or n == 0:
-            pieces.append((n % chunk, i))
+            small.append((n % chunk, i))
+    limit = min(chunk, total // (len(holders) * BUNDLES_PER_HOLDER))
+    pieces, open_bundle, open_bytes = [], [], 0
+    for size, i in small:  # members, hence pieces, in key order
+        if size >= limit:
+            pieces.append((size, len(bundles)))
+            bundles.append([(size, i)])
+            continue
+        if open_bundle and open_bytes + size > limit:
+            pieces.append((open_bytes, len(bundles)))
+            bundles.append(open_bundle)
+            open_bundle, open_bytes = [], 0
+        open_bundle.append((size, i))
+        open_bytes += size
+    if open_bundle:
+        pieces.append((open_bytes, len(bundles)))
+        bundles.append(open_bundle)
     pieces.sort(key=lambda p: (-p[0], p[1]))
     return Group(holders, members, whole, pieces, total)
 
 
-def _emit_group(g: Group, ordered: list[PlanItem], chunk: int, out: list[list[list]]) -> None:
+def _emit_group(g: Group, ordered: list[PlanItem], chunk: int,
+                bundles: list[list[tuple[int, int]]], out: list[list[list]]) -> None:
     """Turn a group's chunk counts and piece owners into ranges: holders in rank order
     take consecutive runs of the group's whole chunks (items in key order), so each
     holder gets at most one range per item from them; a last piece on the rank that
@@ -150,13 +178,14 @@ def _emit_group(g: Group, ordered: list[PlanItem], chunk: int, out: list[list[li
             count -= take
             if done == ordered[i].nbytes // chunk:
                 last[i] = (rank, rng)
-    for (size, i), rank in zip(g.pieces, g.piece_at):
-        end = ordered[i].nbytes
-        prev = last.get(i)
-        if prev is not None and prev[0] == rank:
-            prev[1][2] = end
-        else:
-            out[rank].append([ordered[i].key, end - size, end])
+    for (_, b), rank in zip(g.pieces, g.piece_at):
+        for size, i in bundles[b]:
+            end = ordered[i].nbytes
+            prev = last.get(i)
+            if prev is not None and prev[0] == rank:
+                prev[1][2] = end
+            else:
+                out[rank].append([ordered[i].key, end - size, end])
 
 
 def _write_lower_bound(
