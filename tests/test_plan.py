@@ -186,6 +186,26 @@ def test_big_replicated_tensor_is_split_where_whole_item_greedy_cannot():
     assert ours <= greedy / 3
 
 
+def test_small_replicated_items_are_bundled_on_few_ranks_whatever_the_world():
+    """Tiny items (biases, norms, optimizer steps) of a replicated group go out in bundles:
+    the ranks that write them, hence the tiny chunks they pack, do not grow with the
+    world, and the plan stays within one chunk of the optimum."""
+    chunk = 64 * MiB
+    items = [PlanItem(f"w{i:03d}", 96 * MiB, ()) for i in range(64)]
+    items += [PlanItem(f"s{i:03d}", 4096, ()) for i in range(600)]
+
+    def small_writers(world: int) -> int:
+        held = [PlanItem(it.key, it.nbytes, tuple(range(world))) for it in items]
+        plan = plan_writes(held, world, chunk_size=chunk)
+        check_write_plan(held, plan, world, chunk)
+        stats = plan_stats(held, plan, world)
+        assert stats["makespan"] < stats["lower_bound"] + chunk
+        return sum(any(r.key.startswith("s") for r in ranges) for ranges in plan)
+
+    few, many = small_writers(64), small_writers(512)
+    assert few < 64 and many <= few  # 600 single pieces would take 64 and 512 ranks
+
+
 def test_weights_scale_the_share_of_each_rank():
     items = [PlanItem("w", 4000, (0, 1, 2))]
     plan = plan_writes(items, 3, chunk_size=10, weights=[1.0, 3.0, 0.5])

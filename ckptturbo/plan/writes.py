@@ -13,8 +13,8 @@ from ..errors import PlanError
 from .balance import Group, balance
 from .checks import check_size, check_weights, group_members
 
-# small last pieces are bundled up to this fraction of a holder's fair share (_write_group)
-BUNDLES_PER_HOLDER = 8
+# last pieces smaller than chunk / BUNDLE_FRACTION go out in bundles of up to that size
+BUNDLE_FRACTION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +126,10 @@ def _write_group(
     """Split a holder set's items into whole chunks and indivisible last pieces.
 
     Small last pieces (biases, norms, optimizer steps) go out in bundles, in key order, of
-    up to 1/``BUNDLES_PER_HOLDER`` of a holder's fair share (never more than a chunk, so
-    the balance bound holds): one piece each, the ranks that write them would each pack
-    one tiny chunk, and the number of chunks, the manifest and every rank's load plan
-    would grow with the world. A group piece is (size, bundle index)."""
+    up to 1/``BUNDLE_FRACTION`` of a chunk (pieces no larger than a chunk keep the balance
+    bound): dealt one by one, they would spread over as many ranks as the world has, each
+    rank would pack its own tiny chunk, and the number of chunks, the manifest and every
+    rank's load plan would grow with the world. A group piece is (size, bundle index)."""
     whole, small, total = 0, [], 0
     for i in members:
         n = ordered[i].nbytes
@@ -137,7 +137,7 @@ def _write_group(
         whole += n // chunk
         if n % chunk or n == 0:
             small.append((n % chunk, i))
-    limit = min(chunk, total // (len(holders) * BUNDLES_PER_HOLDER))
+    limit = chunk // BUNDLE_FRACTION
     pieces, open_bundle, open_bytes = [], [], 0
     for size, i in small:  # members, hence pieces, in key order
         if size >= limit:
