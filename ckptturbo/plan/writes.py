@@ -13,7 +13,7 @@ from ..errors import PlanError
 from .balance import Group, balance
 from .checks import check_size, check_weights, group_members
 
-# last pieces smaller than chunk / BUNDLE_FRACTION go out in bundles of up to that size
+# small last pieces go out in bundles of up to 1/BUNDLE_FRACTION of a group's granularity
 BUNDLE_FRACTION = 8
 
 
@@ -125,11 +125,14 @@ def _write_group(
 ) -> Group:
     """Split a holder set's items into whole chunks and indivisible last pieces.
 
-    Small last pieces (biases, norms, optimizer steps) go out in bundles, in key order, of
-    up to 1/``BUNDLE_FRACTION`` of a chunk (pieces no larger than a chunk keep the balance
-    bound): dealt one by one, they would spread over as many ranks as the world has, each
-    rank would pack its own tiny chunk, and the number of chunks, the manifest and every
-    rank's load plan would grow with the world. A group piece is (size, bundle index)."""
+    Small last pieces (biases, norms, optimizer steps) go out in bundles, in key order:
+    dealt one by one, they would spread over as many ranks as the world has, each rank
+    would pack its own tiny chunk, and the number of chunks, the manifest and every rank's
+    load plan would grow with the world. A bundle holds up to 1/``BUNDLE_FRACTION`` of the
+    granularity the group has anyway: a chunk when it has whole chunks (which the world
+    size does not change), else the larger of a holder's fair share and its largest piece,
+    so a small state stays as finely balanced as before. Bundles are no larger than a
+    chunk, which keeps the balance bound. A group piece is (size, bundle index)."""
     whole, small, total = 0, [], 0
     for i in members:
         n = ordered[i].nbytes
@@ -137,7 +140,9 @@ def _write_group(
         whole += n // chunk
         if n % chunk or n == 0:
             small.append((n % chunk, i))
-    limit = chunk // BUNDLE_FRACTION
+    largest = max((size for size, _ in small), default=0)
+    scale = chunk if whole else min(chunk, max(total // len(holders), largest))
+    limit = scale // BUNDLE_FRACTION
     pieces, open_bundle, open_bytes = [], [], 0
     for size, i in small:  # members, hence pieces, in key order
         if size >= limit:
