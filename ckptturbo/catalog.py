@@ -156,6 +156,16 @@ def committed(run_url: str, storage_options: dict[str, Any] | None, session: Ses
     return [found for found in store.map(read, names) if found is not None]
 
 
+def is_committed(url: str, storage_options: dict[str, Any] | None = None, *,
+                 session: Session | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url``: its manifest is there and verifies."""
+    try:
+        Location(url, storage_options, session=session).read_manifest()
+    except CheckpointNotFound:
+        return False
+    return True
+
+
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
                      include_unreadable: bool = False, wait: bool = True,
                      session: Session | None = None) -> list[CheckpointInfo]:

@@ -275,18 +275,12 @@ class Session:
                tiers: Tiers | None = None) -> bool:
         """Whether a committed checkpoint is at ``url``, once a save of it in flight ends.
         ``tiers``: in this node's memory tier or at ``url``."""
-        from . import tiered_catalog
-        from .errors import CheckpointNotFound
-        from .layout import Location
+        from . import catalog, tiered_catalog
 
         if tiers is not None:
             return tiered_catalog.exists_tiered(str(url), storage_options, tiers, session=self)
         wait_for_saves(url)
-        try:
-            Location(str(url), storage_options, session=self).read_manifest()
-        except CheckpointNotFound:
-            return False
-        return True
+        return catalog.is_committed(str(url), storage_options, session=self)
 
     def list_checkpoints(self, run_url: Any, *, storage_options: dict[str, Any] | None = None,
                          wait: bool = True, tiers: Tiers | None = None) -> list[CheckpointInfo]:

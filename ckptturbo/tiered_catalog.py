@@ -17,9 +17,9 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .catalog import CheckpointInfo, collect_garbage, delete_checkpoint, list_checkpoints
+from .catalog import (CheckpointInfo, collect_garbage, delete_checkpoint, is_committed,
+                      list_checkpoints)
 from .errors import CheckpointNotFound, CkptTurboError
-from .layout import Location
 from .session import wait_for_saves
 from .tiers import Tiers, split_checkpoint
 
@@ -63,13 +63,8 @@ def exists_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers
     """Whether a committed checkpoint is at ``url`` in this node's memory tier or the durable
     store, once a save of it in flight in this process has ended."""
     wait_for_saves(url)
-    for where, options in ((tiers.memory_url(url), None), (url, storage_options)):
-        try:
-            Location(where, options, session=session).read_manifest()
-            return True
-        except CheckpointNotFound:
-            continue
-    return False
+    return any(is_committed(where, options, session=session)
+               for where, options in _places(url, storage_options, tiers))
 
 
 def delete_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
@@ -79,7 +74,7 @@ def delete_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers
     tier's chunks it alone named; raises CheckpointNotFound when neither holds it."""
     wait_for_saves(url)  # tracked by its durable URL: the memory copy's delete would not wait
     found = False
-    for where, options in ((tiers.memory_url(url), None), (url, storage_options)):
+    for where, options in _places(url, storage_options, tiers):
         try:
             delete_checkpoint(where, options, session=session)
         except CheckpointNotFound:
@@ -90,6 +85,12 @@ def delete_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers
     if not found:
         raise CheckpointNotFound(f"no checkpoint at {url} nor at {tiers.memory_url(url)} "
                                  "(its copy in this node's memory tier)")
+
+
+def _places(url: str, storage_options: dict[str, Any] | None,
+            tiers: Tiers) -> tuple[tuple[str, dict[str, Any] | None], ...]:
+    """(location, its storage options) of a checkpoint: this node's memory tier first."""
+    return (tiers.memory_url(url), None), (url, storage_options)
 
 
 def _free_memory(memory_run: str, session: Session | None) -> None:
