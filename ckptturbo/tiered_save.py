@@ -102,6 +102,8 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     count = session.count_save(("tiers", run_url))
     handle = TieredSaveHandle(url, tiers.persists(count, persist))
     handle.sequence = count
+    if handle.persisted:
+        _wait_for_the_previous_persist(session, run_url, handle)
     # persists run behind the next saves, so on a group of their own (made here, on the
     # caller's thread, where every rank makes its groups in the same order)
     persist_group, replicate_group = ((session.gloo_group(process_group, "persist"),
@@ -158,6 +160,20 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
                 and (step != "durable" or older.persisted)):
             with contextlib.suppress(Exception):  # its failure belongs to its own handle
                 getattr(older, step).exception()
+
+
+def _wait_for_the_previous_persist(session: Session, run_url: str, handle: TieredSaveHandle) -> None:
+    """Persists never queue: a persisted save starts once the run's earlier persists have
+    finished. A checkpoint being persisted cannot be evicted, so persists queued behind a
+    store slower than the checkpoints sent to it would grow the memory tier (RAM) past its
+    budget without bound; waiting here makes that a stall the caller sees instead, as
+    waiting for the previous async save does with DCP."""
+    started = time.monotonic()
+    _after(session, run_url, handle, "durable")
+    waited = time.monotonic() - started
+    if waited > 0.05:
+        log.warning("%s: waited %.2f s for the run's previous persist to finish (the durable "
+                    "store is slower than persist_every allows)", handle.url, waited)
 
 
 def _replicate(url: str, memory: Location, manifest: Manifest, k: int,
