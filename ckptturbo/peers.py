@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .agreement import agree, gather
 from .chunks import chunk_id
-from .errors import IntegrityError, StorageError
+from .errors import CommunicationError, IntegrityError, StorageError
 from .layout import RunStore
 
 log = logging.getLogger(__name__)
@@ -216,8 +216,12 @@ def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.
                     work.append(dist.irecv(buffer, dist.get_global_rank(nodes.group, copy.source),
                                            group=nodes.group, tag=i))
                 incoming.append((copy, buffer))
-        for w in work:
-            w.wait()
+        try:
+            for w in work:
+                w.wait()
+        except RuntimeError as exc:  # how a gloo Work reports a peer gone or silent past the timeout
+            raise CommunicationError(f"copying the chunks of {what}: a peer node stopped sending or "
+                                     f"receiving: {exc}") from exc
 
         def settle() -> None:
             _raise(problem)

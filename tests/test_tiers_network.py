@@ -189,3 +189,50 @@ def test_a_cut_link_fails_the_save_in_bounded_time_and_no_checkpoint_is_damaged(
     results = run_distributed(_recover, 4, run, opts, memory, setup=hosts.ranks(2), timeout=240)
     for recovered, exact in results:
         assert exact and recovered.url == f"{run}/{newest}" and recovered.bytes_from_durable == 0
+
+
+def _recover_or_fail(rank: int, world: int, run: str, opts: dict, memory: str) -> list:
+    out = _empty(rank)
+    started = time.monotonic()
+    try:
+        with ct.Session() as s:
+            s.load(out, run, storage_options=opts, tiers=ct.Tiers(memory=memory), strict=False)
+        return [None, time.monotonic() - started]
+    except ct.CkptTurboError as exc:
+        return [type(exc).__name__, time.monotonic() - started]
+
+
+def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(hosts, store, tmp_path, bounded):
+    """Host 1 lost its memory and recovers from host 0 over a slow link that goes down
+    mid-transfer: every rank's load raises CommunicationError within a bound set by the
+    group's timeout, host 0's tier is untouched, and once the link is back the recovery
+    completes, bit-exact, without the durable store (which holds nothing)."""
+    run, opts, memory = store.url(), store.storage_options, str(tmp_path / "mem")
+    host1 = hosts.hosts[1]
+    run_distributed(_save, 4, run, opts, memory, 1, setup=hosts.ranks(2), timeout=240)
+    shutil.rmtree(Path(memory) / "host1")
+    hosts.limit(host1, 4)  # host 1's ~1.5 MB of chunks: seconds
+    base = hosts.bytes_received(host1)
+
+    def cut_mid_transfer() -> None:
+        deadline = time.monotonic() + 60
+        while hosts.bytes_received(host1) - base < 300_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hosts.cut(host1)
+
+    cutter = threading.Thread(target=cut_mid_transfer, daemon=True)
+    cutter.start()
+    try:
+        outcomes = run_distributed(_recover_or_fail, 4, run, opts, memory, setup=hosts.ranks(2), timeout=120,
+                                   group_timeout=GROUP_TIMEOUT)
+    finally:
+        cutter.join(timeout=65)
+        hosts.heal(host1)
+        hosts.limit(host1, None)
+    for error, seconds in outcomes:
+        assert error == "CommunicationError" and seconds < 4 * GROUP_TIMEOUT, outcomes
+    assert [c.name for c in ct.list_checkpoints(ct.Tiers(memory=memory, node="host0").memory_run(run))] == ["step-1"]
+
+    results = run_distributed(_recover, 4, run, opts, memory, setup=hosts.ranks(2), timeout=240)
+    for rank, (recovered, exact) in enumerate(results):
+        assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0
