@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import eviction, peers, persist
 from .agreement import agree
-from .errors import CkptTurboError
+from .errors import CkptTurboError, SaveInProgress
 from .failures import as_ckptturbo_error
 from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
 from .peers import Nodes, Replicated
@@ -102,8 +102,7 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     count = session.count_save(("tiers", run_url))
     handle = TieredSaveHandle(url, tiers.persists(count, persist))
     handle.sequence = count
-    if handle.persisted:
-        _wait_for_the_previous_persist(session, run_url, handle)
+    _bound_the_backlog(session, run_url, handle, wait_previous)
     # persists run behind the next saves, so on a group of their own (made here, on the
     # caller's thread, where every rank makes its groups in the same order)
     persist_group, replicate_group = ((session.gloo_group(process_group, "persist"),
@@ -155,25 +154,44 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
     """Wait until the run's earlier saves have done ``step`` ("replicated", or "durable"
     for those persisted): one replication and one persist at a time, in save order on
     every rank, because each kind shares one group."""
-    for older in session.saves_in_flight(run_url, under=True):
-        if (isinstance(older, TieredSaveHandle) and older.sequence < handle.sequence
-                and (step != "durable" or older.persisted)):
+    for older in _older(session, run_url, handle):
+        if step != "durable" or older.persisted:
             with contextlib.suppress(Exception):  # its failure belongs to its own handle
                 getattr(older, step).exception()
 
 
-def _wait_for_the_previous_persist(session: Session, run_url: str, handle: TieredSaveHandle) -> None:
-    """Persists never queue: a persisted save starts once the run's earlier persists have
-    finished. A checkpoint being persisted cannot be evicted, so persists queued behind a
-    store slower than the checkpoints sent to it would grow the memory tier (RAM) past its
-    budget without bound; waiting here makes that a stall the caller sees instead, as
-    waiting for the previous async save does with DCP."""
+def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
+                       wait_previous: bool) -> None:
+    """Replications and persists never pile up: a tiered save starts once every earlier
+    save of the run but the one just before it has replicated, and a persisted save once
+    the run's earlier persists have finished. A checkpoint being replicated or persisted
+    cannot be evicted, so work queued behind a network or a store slower than the
+    checkpoints sent to it would grow the memory tier (RAM) past its budget without
+    bound; waiting here makes that a stall the caller sees instead, as waiting for the
+    previous async save does with DCP. ``wait_previous=False`` raises instead of waiting."""
+    behind = [(older, "replicated") for older in _older(session, run_url, handle)
+              if older.sequence < handle.sequence - 1 and not older.replicated.done()]
+    if handle.persisted:
+        behind += [(older, "durable") for older in _older(session, run_url, handle)
+                   if older.persisted and not older.durable.done()]
+    if not behind:
+        return
+    older, step = behind[0]
+    what = "replication" if step == "replicated" else "persist"
+    if not wait_previous:
+        raise SaveInProgress(f"the {what} of {older.url} is still running")
     started = time.monotonic()
-    _after(session, run_url, handle, "durable")
-    waited = time.monotonic() - started
-    if waited > 0.05:
-        log.warning("%s: waited %.2f s for the run's previous persist to finish (the durable "
-                    "store is slower than persist_every allows)", handle.url, waited)
+    for older, step in behind:
+        with contextlib.suppress(Exception):  # its failure belongs to its own handle
+            getattr(older, step).exception()
+    log.warning("%s: waited %.2f s for the %s of %s (the network or the durable store is slower "
+                "than the checkpoints sent to it)", handle.url, time.monotonic() - started, what, older.url)
+
+
+def _older(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
+    """The run's earlier tiered saves of this session still in flight, oldest first."""
+    return [h for h in session.saves_in_flight(run_url, under=True)
+            if isinstance(h, TieredSaveHandle) and h.sequence < handle.sequence]
 
 
 def _replicate(url: str, memory: Location, manifest: Manifest, k: int,

@@ -101,17 +101,21 @@ class DeferredGC:
 
     gc refuses to run while a save of the run is pending, so it waits for the handles it
     was given; a run it could not collect is retried by the next ``schedule`` or ``finish``.
+    A run scheduled again while a pass collects it stays due: that pass may have listed the
+    run before the newly removed checkpoint went.
     """
 
     def __init__(self, storage_options: dict[str, Any] | None = None, *,
                  session: ct.Session | None = None) -> None:
         self.storage_options = storage_options
         self.session = session
-        self._runs: set[str] = set()
+        self._due: dict[str, int] = {}  # run URL -> how many times it was scheduled
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def schedule(self, run_url: str, inflight: list[ct.SaveHandle]) -> None:
-        self._runs.add(run_url)
+        with self._lock:
+            self._due[run_url] = self._due.get(run_url, 0) + 1
         if self._thread is not None and self._thread.is_alive():
             return  # the running pass picks up runs added meanwhile, or finish() does
         self._thread = threading.Thread(target=self._collect, args=(list(inflight),),
@@ -124,9 +128,13 @@ class DeferredGC:
                 handle.durable.result()
             except Exception:  # noqa: BLE001 - the handle's owner reports it
                 pass
-        for url in sorted(self._runs):
+        with self._lock:
+            due = sorted(self._due.items())
+        for url, scheduled in due:
             if collect_garbage(url, self.storage_options, session=self.session):
-                self._runs.discard(url)
+                with self._lock:
+                    if self._due.get(url) == scheduled:  # not scheduled again meanwhile
+                        del self._due[url]
 
     @property
     def running(self) -> bool:

@@ -236,3 +236,39 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(ho
     results = run_distributed(_recover, 4, run, opts, memory, setup=hosts.ranks(2), timeout=240)
     for rank, (recovered, exact) in enumerate(results):
         assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0
+
+
+def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str) -> list:
+    tiers = ct.Tiers(memory=memory, persist_every=0)
+    with ct.Session() as s:
+        first, second, third = (s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+                                for step in (1, 2, 3))
+        # the third save started only once the first had replicated
+        started_after_first = first.replicated.done()
+        third.local.result()
+        try:
+            s.save(_state(rank, 4), f"{run}/step-4", storage_options=opts, tiers=tiers, wait_previous=False)
+            refused = None
+        except ct.SaveInProgress as exc:
+            refused = str(exc)
+        for handle in (first, second, third):
+            handle.replicated.result()
+    return [started_after_first, refused]
+
+
+def test_saves_faster_than_the_network_wait_for_replication_instead_of_piling_up(hosts, store, tmp_path,
+                                                                                bounded):
+    """Replication over a 2 Mbit/s link takes seconds; saves issued back to back do not
+    queue replicas without bound (each pins its checkpoint in memory): a save starts once
+    every earlier one but the last has replicated, and wait_previous=False refuses."""
+    run, opts, memory = store.url(), store.storage_options, str(tmp_path / "mem")
+    host1 = hosts.hosts[1]
+    hosts.limit(host1, 2)
+    try:
+        results = run_distributed(_save_faster_than_replication, 2, run, opts, memory, setup=hosts.ranks(1),
+                                  timeout=180)
+    finally:
+        hosts.limit(host1, None)
+    for started_after_first, refused in results:
+        assert started_after_first
+        assert refused is not None and "replication of" in refused and "step-2" in refused, refused
