@@ -60,9 +60,18 @@ def plan_eviction(checkpoints: list[Held], budget: int, keep: frozenset[str] = f
     return evicted
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """What an eviction did: the checkpoints it evicted, and whether the run is still over
+    its budget because of checkpoints it had to keep (the newest, saves in flight)."""
+
+    evicted: list[str]
+    over_budget: bool
+
+
 def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
-          session: Session | None = None) -> list[str]:
-    """Bring a memory-tier run within ``budget`` bytes; returns the evicted names.
+          session: Session | None = None) -> Eviction:
+    """Bring a memory-tier run within ``budget`` bytes, as far as ``keep`` allows.
 
     An unreadable manifest (a tier damaged at rest) is removed as well: the memory tier is
     a cache, and a manifest that cannot be verified can never be loaded. A gc that finds a
@@ -94,4 +103,4 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
             log.warning("memory tier %s: chunks not freed yet: %s", run_url, exc)
     if doomed:
         log.info("memory tier %s: evicted %s to stay within %d bytes", run_url, doomed, budget)
-    return doomed
+    return Eviction(doomed, held_bytes(h for h in held if h.name not in doomed) > budget)

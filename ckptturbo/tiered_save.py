@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ class TieredSaveHandle(SaveHandle):
         super().__init__(url)
         self.persisted = persisted
         self.sequence = 0  # the save's number among the run's tiered saves in its session
+        self.over_budget = False  # after its commit, the node's tier was still over its budget
         self.local: Future[SaveSummary] = Future()
         self.local.set_running_or_notify_cancel()
         self.replicated: Future[Replicated] = Future()
@@ -122,8 +124,9 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         if ranks.node_leader:  # before `local`: no later save of this writer runs yet
             in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
             try:
-                eviction.evict(tiers.memory_run(run_url), tiers.budget(),
-                               keep=frozenset(in_flight | {name}), session=session)
+                handle.over_budget = eviction.evict(tiers.memory_run(run_url), tiers.budget(),
+                                                    keep=frozenset(in_flight | {name}),
+                                                    session=session).over_budget
             except (CkptTurboError, OSError) as exc:  # the checkpoint stands, over budget
                 log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
         handle.local.set_result(local)  # the next save may start: what follows runs behind it
@@ -144,10 +147,11 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
                                                Nodes(persist_group, tiers.node_name),
                                                storage_options, local, started, held))
 
-    return run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
-                    collective=collective, storage_options=None, planner=planner,
-                    wait_previous=wait_previous, writer_options=writer_options,
-                    after_commit=after_commit)
+    run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
+             collective=collective, storage_options=None, planner=planner,
+             wait_previous=wait_previous, writer_options=writer_options, after_commit=after_commit)
+    _LATEST.setdefault(session, {})[run_url] = handle  # started: its futures will resolve
+    return handle
 
 
 def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) -> None:
@@ -160,32 +164,42 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
                 getattr(older, step).exception()
 
 
+_LATEST: weakref.WeakKeyDictionary[Session, dict[str, TieredSaveHandle]] = weakref.WeakKeyDictionary()
+
+
 def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
                        wait_previous: bool) -> None:
-    """Replications and persists never pile up: a tiered save starts once every earlier
-    save of the run but the one just before it has replicated, and a persisted save once
-    the run's earlier persists have finished. A checkpoint being replicated or persisted
-    cannot be evicted, so work queued behind a network or a store slower than the
-    checkpoints sent to it would grow the memory tier (RAM) past its budget without
-    bound; waiting here makes that a stall the caller sees instead, as waiting for the
-    previous async save does with DCP. ``wait_previous=False`` raises instead of waiting."""
-    behind = [(older, "replicated") for older in _older(session, run_url, handle)
-              if older.sequence < handle.sequence - 1 and not older.replicated.done()]
-    if handle.persisted:
-        behind += [(older, "durable") for older in _older(session, run_url, handle)
-                   if older.persisted and not older.durable.done()]
-    if not behind:
+    """Replications and persists do not pile up past the memory budget: when the previous
+    save's eviction left this node's tier over its budget, because checkpoints still being
+    replicated or persisted cannot be evicted, a tiered save starts only once the oldest
+    of those is done (the eviction after its commit then frees it). Queued behind a
+    network or a store slower than the checkpoints sent to it, they would otherwise grow
+    the tier (RAM) without bound; this makes that a stall the caller sees instead, as
+    waiting for the previous async save does with DCP. Within the budget nothing waits.
+    ``wait_previous=False`` raises instead of waiting."""
+    previous = _LATEST.get(session, {}).get(run_url)
+    if previous is None:
         return
-    older, step = behind[0]
-    what = "replication" if step == "replicated" else "persist"
-    if not wait_previous:
-        raise SaveInProgress(f"the {what} of {older.url} is still running")
-    started = time.monotonic()
-    for older, step in behind:
+    if not previous.local.done():
+        if not wait_previous:
+            return  # run_save refuses: the previous save is not in memory yet
         with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            getattr(older, step).exception()
-    log.warning("%s: waited %.2f s for the %s of %s (the network or the durable store is slower "
-                "than the checkpoints sent to it)", handle.url, time.monotonic() - started, what, older.url)
+            previous.local.exception()
+    if not previous.over_budget:
+        return
+    pinned = next(iter(_older(session, run_url, handle)), None)
+    if pinned is None:
+        return
+    what = "replication" if not pinned.replicated.done() else "persist"
+    if not wait_previous:
+        raise SaveInProgress(f"the memory tier of {run_url} is over its budget until the {what} "
+                             f"of {pinned.url} finishes")
+    started = time.monotonic()
+    with contextlib.suppress(Exception):  # its failure belongs to its own handle
+        pinned.wait()
+    log.warning("%s: waited %.2f s for the %s of %s: the memory tier is over its budget while "
+                "the network or the durable store is slower than the checkpoints sent to it",
+                handle.url, time.monotonic() - started, what, pinned.url)
 
 
 def _older(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:

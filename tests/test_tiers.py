@@ -355,20 +355,23 @@ def test_a_persist_runs_behind_the_next_save(tmp_path, s3_server):
         assert _durable_names(run, slow) == ["step-1"]
 
 
-def test_a_persisted_save_waits_for_the_previous_persist_so_persists_never_queue(tmp_path, s3_server):
-    """A checkpoint being persisted cannot be evicted: queued persists behind a slow store
-    would grow the memory tier without bound, so the next persisted save waits instead."""
+def test_persists_queue_within_the_memory_budget_and_a_save_over_it_waits(tmp_path, s3_server):
+    """A checkpoint being persisted cannot be evicted. Within the budget, persisted saves
+    queue behind a slow store without a stall; once the tier is over its budget, the next
+    save waits for the persist that pins a checkpoint instead of growing the tier."""
     run = s3_server.url()
-    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=1, node="n0")
+    roomy = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=1, node="n0")
+    tight = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=1, node="n0", memory_bytes=1)
     with FaultProxy(s3_server.endpoint, latency_s=0.3) as proxy, ct.Session() as s:
         slow = proxy.storage_options(s3_server.storage_options)
-        first = s.save(tiered_state(1), f"{run}/step-1", storage_options=slow, tiers=tiers)
-        first.local.result()
-        assert not first.durable.done()  # the persist takes a few round trips of 0.3 s
-        second = s.save(tiered_state(2), f"{run}/step-2", storage_options=slow, tiers=tiers)
-        assert first.durable.done() and first.durable.result() is not None
-        assert second.wait() is not None
-        assert _durable_names(run, slow) == ["step-1", "step-2"]
+        for tiers, step in ((roomy, 1), (tight, 3)):
+            first = s.save(tiered_state(step), f"{run}/step-{step}", storage_options=slow, tiers=tiers)
+            first.local.result()
+            assert not first.durable.done()  # the persist takes a few round trips of 0.3 s
+            second = s.save(tiered_state(step + 1), f"{run}/step-{step + 1}", storage_options=slow, tiers=tiers)
+            assert first.durable.done() == (tiers is tight)
+            assert first.wait() is not None and second.wait() is not None
+        assert _durable_names(run, slow) == ["step-1", "step-2", "step-3", "step-4"]
 
 
 def test_every_tier_is_a_chunk_store(tmp_path, s3_server):

@@ -239,12 +239,12 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(ho
 
 
 def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str) -> list:
-    tiers = ct.Tiers(memory=memory, persist_every=0)
+    tiers = ct.Tiers(memory=memory, persist_every=0, memory_bytes=1)  # over budget after every save
     with ct.Session() as s:
         first, second, third = (s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
                                 for step in (1, 2, 3))
-        # the third save started only once the first had replicated
-        started_after_first = first.replicated.done()
+        # over the budget, each save started only once the one before had replicated
+        started_after_first = first.replicated.done() and second.replicated.done()
         third.local.result()
         try:
             s.save(_state(rank, 4), f"{run}/step-4", storage_options=opts, tiers=tiers, wait_previous=False)
@@ -259,8 +259,9 @@ def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, m
 def test_saves_faster_than_the_network_wait_for_replication_instead_of_piling_up(hosts, store, tmp_path,
                                                                                 bounded):
     """Replication over a 2 Mbit/s link takes seconds; saves issued back to back do not
-    queue replicas without bound (each pins its checkpoint in memory): a save starts once
-    every earlier one but the last has replicated, and wait_previous=False refuses."""
+    queue replicas past the memory budget (each pins its checkpoint in memory): over it, a
+    save starts once the oldest replication in flight is done, and wait_previous=False
+    refuses."""
     run, opts, memory = store.url(), store.storage_options, str(tmp_path / "mem")
     host1 = hosts.hosts[1]
     hosts.limit(host1, 2)
@@ -271,4 +272,5 @@ def test_saves_faster_than_the_network_wait_for_replication_instead_of_piling_up
         hosts.limit(host1, None)
     for started_after_first, refused in results:
         assert started_after_first
-        assert refused is not None and "replication of" in refused and "step-2" in refused, refused
+        assert refused is not None and "over its budget" in refused and "replication of" in refused, refused
+        assert "step-3" in refused, refused
