@@ -122,13 +122,7 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         agree(group, f"writing the manifest of {url} to every node's memory tier",
               lambda: _commit_on_node(memory, manifest_bytes, ranks))
         if ranks.node_leader:  # before `local`: no later save of this writer runs yet
-            in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
-            try:
-                handle.over_budget = eviction.evict(tiers.memory_run(run_url), tiers.budget(),
-                                                    keep=frozenset(in_flight | {name}),
-                                                    session=session).over_budget
-            except (CkptTurboError, OSError) as exc:  # the checkpoint stands, over budget
-                log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
+            handle.over_budget = _evict(session, run_url, tiers, keep={name})
         handle.local.set_result(local)  # the next save may start: what follows runs behind it
         if not handle.persisted:
             handle.durable.set_result(None)
@@ -146,6 +140,8 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             handle.durable.set_result(_persist(session, url, memory, manifest,
                                                Nodes(persist_group, tiers.node_name),
                                                storage_options, local, started, held))
+        if ranks.node_leader:  # the replicas received since, and what had to stay for it
+            handle.over_budget = _evict(session, run_url, tiers, keep=set())
 
     run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
              collective=collective, storage_options=None, planner=planner,
@@ -162,6 +158,18 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
         if step != "durable" or older.persisted:
             with contextlib.suppress(Exception):  # its failure belongs to its own handle
                 getattr(older, step).exception()
+
+
+def _evict(session: Session, run_url: str, tiers: Tiers, keep: set[str]) -> bool:
+    """Evict the oldest checkpoints of this node's memory tier beyond its budget, keeping
+    ``keep`` and the saves in flight; whether the tier is still over its budget."""
+    in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
+    try:
+        return eviction.evict(tiers.memory_run(run_url), tiers.budget(), keep=frozenset(in_flight | keep),
+                              session=session).over_budget
+    except (CkptTurboError, OSError) as exc:  # the checkpoints stand, over budget
+        log.warning("memory tier of %s: eviction failed: %s", run_url, exc)
+        return False
 
 
 _LATEST: weakref.WeakKeyDictionary[Session, dict[str, TieredSaveHandle]] = weakref.WeakKeyDictionary()

@@ -238,28 +238,38 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(ho
         assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0
 
 
-def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str) -> bool:
-    tiers = ct.Tiers(memory=memory, persist_every=0, memory_bytes=1)  # over budget after every save
+def _tier_bytes(memory: str) -> int:
+    return sum(f.stat().st_size for f in (Path(memory) / socket.gethostname()).rglob("*") if f.is_file())
+
+
+def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str,
+                                  budget: int, saves: int) -> list:
+    """Saves back to back; the most this host's memory tier held after any of them."""
+    tiers = ct.Tiers(memory=memory, persist_every=0, memory_bytes=budget)
+    peak = 0
     with ct.Session() as s:
-        first, second, third = (s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
-                                for step in (1, 2, 3))
-        # over the budget, each save started only once the one before had replicated
-        waited = first.replicated.done() and second.replicated.done()
-        third.replicated.result()
-    return waited
+        for step in range(1, saves + 1):
+            s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers).local.result()
+            peak = max(peak, _tier_bytes(memory))
+    # the session closed: every replication done, and what had to stay for them evicted
+    return [peak, [c.name for c in ct.list_checkpoints(tiers.memory_run(run))]]
 
 
-def test_saves_faster_than_the_network_wait_for_replication_instead_of_piling_up(hosts, store, tmp_path,
-                                                                                bounded):
-    """Replication over a 4 Mbit/s link takes seconds; saves issued back to back do not
-    queue replicas past the memory budget (each pins its checkpoint in memory): over it, a
-    save starts once the oldest replication in flight is done."""
+def test_saves_faster_than_the_network_keep_the_memory_tier_near_its_budget(hosts, store, tmp_path, bounded):
+    """Replication over a 4 Mbit/s link takes seconds and each pins its checkpoint in
+    memory, so saves issued back to back would queue replicas without bound; over the
+    budget, a save waits for the oldest replication in flight, so the tier never holds
+    more than the budget and about two checkpoints; what had to stay for them is evicted
+    once they are done, without another save."""
     run, opts, memory = store.url(), store.storage_options, str(tmp_path / "mem")
+    checkpoint = 2 * (200_000 + 50_000) * 4  # a host's shards and its peer's replicas
     host1 = hosts.hosts[1]
     hosts.limit(host1, 4)
     try:
-        waited = run_distributed(_save_faster_than_replication, 2, run, opts, memory, setup=hosts.ranks(1),
-                                 timeout=180)
+        results = run_distributed(_save_faster_than_replication, 2, run, opts, memory, checkpoint, 10,
+                                  setup=hosts.ranks(1), timeout=240)
     finally:
         hosts.limit(host1, None)
-    assert waited == [True, True]
+    for peak, kept in results:
+        assert peak <= checkpoint + 2.5 * checkpoint, (peak, checkpoint)
+        assert kept == ["step-10"]  # evicted once no longer in flight, without another save
