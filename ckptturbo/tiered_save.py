@@ -63,7 +63,7 @@ class TieredSaveHandle(SaveHandle):
         super().__init__(url)
         self.persisted = persisted
         self.sequence = 0  # the save's number among the run's tiered saves in its session
-        self.over_budget = False  # after its commit, the node's tier was still over its budget
+        self.over_budget = False  # its latest eviction left the node's tier over its budget
         self.local: Future[SaveSummary] = Future()
         self.local.set_running_or_notify_cancel()
         self.replicated: Future[Replicated] = Future()
