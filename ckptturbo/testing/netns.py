@@ -143,11 +143,8 @@ class VirtualHosts:
                 _run(*end, "replace", "dev", device, "root", "tbf", "rate", f"{mbit}mbit",
                      "burst", "32kb", "latency", "1s")
 
-    def bytes_sent(self, host: Host) -> int:
-        """Bytes the host has sent onto the network (what its link's bridge end received)."""
-        return int(Path(f"/sys/class/net/{host.link}/statistics/rx_bytes").read_text())
-
     def bytes_received(self, host: Host) -> int:
+        """Bytes the network has delivered to the host (what its link's bridge end sent)."""
         return int(Path(f"/sys/class/net/{host.link}/statistics/tx_bytes").read_text())
 
     def close(self) -> None:
