@@ -128,20 +128,32 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             handle.durable.set_result(None)
         manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
         _after(session, run_url, handle, "replicated")
+        def evict_again() -> None:
+            """The replicas received since the commit, and what had to stay for this save,
+            evicted before its last future resolves: a save whose handle is done no longer
+            touches the tier."""
+            if ranks.node_leader:
+                handle.over_budget = _evict(session, run_url, tiers, keep=set(), finishing=handle)
+
         held = None  # which nodes hold which chunks once replicated: where a persist reads
         try:
             replicated, held = _replicate(url, memory, manifest, tiers.replicas,
                                           Nodes(replicate_group, tiers.node_name))
-            handle.replicated.set_result(replicated)
+            failure = None
         except Exception as exc:  # noqa: BLE001 - the checkpoint stands in its node's memory
-            handle.replicated.set_exception(as_ckptturbo_error(exc, url, "replicating"))
+            failure = as_ckptturbo_error(exc, url, "replicating")
+        if not handle.persisted:
+            evict_again()
+        if failure is None:
+            handle.replicated.set_result(replicated)
+        else:
+            handle.replicated.set_exception(failure)
         if handle.persisted:
             _after(session, run_url, handle, "durable")
-            handle.durable.set_result(_persist(session, url, memory, manifest,
-                                               Nodes(persist_group, tiers.node_name),
-                                               storage_options, local, started, held))
-        if ranks.node_leader:  # the replicas received since, and what had to stay for it
-            handle.over_budget = _evict(session, run_url, tiers, keep=set())
+            summary = _persist(session, url, memory, manifest, Nodes(persist_group, tiers.node_name),
+                               storage_options, local, started, held)
+            evict_again()
+            handle.durable.set_result(summary)
 
     run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
              collective=collective, storage_options=None, planner=planner,
@@ -160,10 +172,12 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
                 getattr(older, step).exception()
 
 
-def _evict(session: Session, run_url: str, tiers: Tiers, keep: set[str]) -> bool:
+def _evict(session: Session, run_url: str, tiers: Tiers, keep: set[str],
+           finishing: TieredSaveHandle | None = None) -> bool:
     """Evict the oldest checkpoints of this node's memory tier beyond its budget, keeping
-    ``keep`` and the saves in flight; whether the tier is still over its budget."""
-    in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)}
+    ``keep`` and the saves in flight but ``finishing`` (whose work is done but for this);
+    whether the tier is still over its budget."""
+    in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True) if h is not finishing}
     try:
         return eviction.evict(tiers.memory_run(run_url), tiers.budget(), keep=frozenset(in_flight | keep),
                               session=session).over_budget
