@@ -59,9 +59,10 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def _run_and_kill(run: str, options: dict | None, delay: float, victim: str) -> str:
+def _run_and_kill(run: str, options: dict | None, delay: float, victim: str, logs: Path) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(JOB), run, "100"]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--log-dir", str(logs),
+           str(JOB), run, "100"]
     if options:
         cmd.append(json.dumps(options))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
@@ -146,7 +147,7 @@ def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request,
     for trial in range(TRIALS[store]):
         run = run_url(f"crash-{trial}")
         victim = "job" if trial % 2 == 0 else "rank"
-        out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim)
+        out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim, logs=tmp_path / "logs")
         names = _check_visible_state(run, options)
         seen_committed += len(names)
         time.sleep(LEASE)  # the killed ranks' markers expire

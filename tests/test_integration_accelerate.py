@@ -139,7 +139,7 @@ def test_a_model_that_does_not_fit_names_url_and_tensor(tmp_path, accelerator):
 def run_two_ranks(tmp_path: Path, url: str, storage_options: dict | None = None,
                   single: str | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(SCRIPT), "--url", url, "--out", str(tmp_path / "obs")]
+           "--log-dir", str(tmp_path / "logs"), str(SCRIPT), "--url", url, "--out", str(tmp_path / "obs")]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
     if single:

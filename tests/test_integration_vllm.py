@@ -127,9 +127,17 @@ def test_download_model_warms_the_cache(s3_server, tiny_model, tmp_path):
     assert got.keys() == tensors.keys()
 
 
+def _scratch_env(tmp_path, **extra: str) -> dict[str, str]:
+    """The environment of a vLLM process: its IPC sockets and file stores (named for the
+    system's temp dir, never removed) go to the test's own temp dir."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(scratch), **extra)
+
+
 def _engine(tmp_path, name, model_dir, load_format, extra, tp=1):
     out = str(tmp_path / f"{name}.pt")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if tp == 1 else "1")
+    env = _scratch_env(tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0" if tp == 1 else "1")
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_run.py"), model_dir,
                            load_format, json.dumps(extra), out, str(tp)],
                           env=env, capture_output=True, text=True, timeout=420)
@@ -161,7 +169,7 @@ def test_tensor_parallel_workers_read_storage_once(s3_server, tiny_model, tmp_pa
         out = str(tmp_path / "tp")
         proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_tp.py"),
                                str(_free_port()), extra, out],
-                              capture_output=True, text=True, timeout=300)
+                              env=_scratch_env(tmp_path), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-6000:]
         fetched = proxy.control.stats().bytes_down
     for rank in (0, 1):

@@ -37,10 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _save_and_exit(url: str, seed: int, options: dict | None, ranks: int) -> str:
+def _save_and_exit(url: str, seed: int, options: dict | None, ranks: int, logs: Path) -> str:
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--log-dir", str(logs)]
     cmd = [*launcher, str(JOB), url, str(seed)] + ([json.dumps(options)] if options else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
     code, output = run_command(cmd, timeout=300, env=env)
@@ -67,15 +67,15 @@ def test_a_process_ending_right_after_staged_still_commits_its_save(store, ranks
         run, options = server.url(), server.storage_options
     trials = EXIT_TRIALS if ranks == 1 or SOAK else 1
     for seed in range(trials):
-        _save_and_exit(f"{run}/step-{seed}", seed, options, ranks)
+        _save_and_exit(f"{run}/step-{seed}", seed, options, ranks, tmp_path / "logs")
         _loads_bit_exact(f"{run}/step-{seed}", seed, options)
     assert [c.name for c in ct.list_checkpoints(run, storage_options=options)] == \
         [f"step-{seed}" for seed in range(trials)]
 
 
-def test_a_save_failing_at_exit_is_reported_on_stderr(s3_server):
+def test_a_save_failing_at_exit_is_reported_on_stderr(s3_server, tmp_path):
     url = "s3://no-such-bucket-for-ckptturbo/run/step-1"  # staging succeeds, the upload cannot
-    output = _save_and_exit(url, 1, s3_server.storage_options, 1)
+    output = _save_and_exit(url, 1, s3_server.storage_options, 1, tmp_path / "logs")
     assert f"ckptturbo: the save to {url} failed and is not committed" in output
     assert "no-such-bucket-for-ckptturbo does not exist" in output
 
