@@ -28,6 +28,12 @@ renewal) when its uploads are done; the coordinator must commit within one lease
 A manifest gc cannot read (truncated, corrupted, hostile) might name any chunk, so gc
 deletes nothing while one exists and names it; ``ls`` lists the others and marks it.
 
+The lock file tells saves that a gc runs; it does not keep two gcs apart (a second gc
+overwrites a dead one's lock rather than wait out its lease). Within a process, where a
+memory tier's evictions after two saves run on two threads, the gcs of one store take
+turns: side by side, the first to finish would remove the lock while the other still
+deletes, and both would delete the same chunks.
+
 A self-contained checkpoint (manifest ``chunk_store`` ".") has a store of its own inside
 its directory, under the same rules: its pending markers and gc lock live there, gc of
 the run sweeps it against its one manifest, a save that replaces it sweeps it after the
@@ -41,6 +47,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -322,31 +329,41 @@ def sweep_replaced(location: Location) -> None:
                     "run frees them", location.url, exc)
 
 
+_TURNS: dict[str, threading.Lock] = {}  # a store's gc lock URL -> its gcs' turn in this process
+_TURNS_GUARD = threading.Lock()
+
+
+def _turn(store: Store, lock_path: str) -> threading.Lock:
+    with _TURNS_GUARD:
+        return _TURNS.setdefault(store.url_of(lock_path), threading.Lock())
+
+
 @contextlib.contextmanager
 def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
-    """Hold a store's gc lock (a lease) while chunks are judged and deleted: refuse while a
-    save's marker is fresh, and bump the generation before anything is deleted. A dry run
-    takes no lock and changes nothing."""
+    """Hold a store's gc lock (a lease) while chunks are judged and deleted, after this
+    process's other gcs of the store: refuse while a save's marker is fresh, and bump the
+    generation before anything is deleted. A dry run takes no lock and changes nothing."""
     store = run.store
     if dry_run:
         yield
         return
-    lock = Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
-    try:
-        now = time.time()
-        live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
-        if live:
-            raise SaveInProgress(f"{len(live)} save(s) in progress under {store.url_of(run.root)}; "
-                                 "run gc again when they are committed")
-        store.put(run.gc_generation, uuid.uuid4().hex.encode())
-        yield
-    finally:
-        lock.stop()
+    with _turn(store, run.gc_lock):
+        lock = Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
         try:
-            store.delete([run.gc_lock])
-        except CkptTurboError:
-            log.warning("could not remove %s; it expires after its %ss lease",
-                        run.gc_lock, lock.lease)
+            now = time.time()
+            live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
+            if live:
+                raise SaveInProgress(f"{len(live)} save(s) in progress under {store.url_of(run.root)}; "
+                                     "run gc again when they are committed")
+            store.put(run.gc_generation, uuid.uuid4().hex.encode())
+            yield
+        finally:
+            lock.stop()
+            try:
+                store.delete([run.gc_lock])
+            except CkptTurboError:
+                log.warning("could not remove %s; it expires after its %ss lease",
+                            run.gc_lock, lock.lease)
 
 
 def _sweep(run: RunStore, referenced: set[str], dry_run: bool, grace_seconds: float) -> GcReport:

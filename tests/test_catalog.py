@@ -77,6 +77,38 @@ def test_gc_refuses_while_a_save_is_pending(tmp_path):
     catalog.collect_garbage(str(run))  # a stale marker (crashed save) no longer blocks
 
 
+def test_gcs_of_a_run_in_one_process_take_turns(tmp_path, caplog):
+    """A memory tier's evictions after two saves run on two threads of the node leader:
+    the second gc waits for the first instead of deleting the same chunks beside it, and
+    of removing the lock while the first still deletes (a save starting then would not
+    wait for it)."""
+    run = tmp_path / "run"
+    ct.save(tensors(4), str(run / "a")).wait(timeout=60)
+    shard = next(p for p in (run / ".ckptturbo" / "chunks").iterdir() if p.is_dir())
+    orphans = [shard / f"{i:064x}" for i in range(2000)]  # chunks no manifest names
+    for path in orphans:
+        path.write_bytes(b"x")
+    reports, errors = [], []
+
+    def gc() -> None:
+        try:
+            reports.append(catalog.collect_garbage(str(run)))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=gc) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert sorted(r.deleted for r in reports) == [0, len(orphans)]
+    assert not any(path.exists() for path in orphans)
+    assert not (run / ".ckptturbo" / "gc.lock").exists()
+    assert "could not remove" not in caplog.text
+    assert load_equal(str(run / "a"), tensors(4))
+
+
 def test_save_waits_for_running_gc_then_relists(tmp_path):
     run = tmp_path / "run"
     sd = tensors(2)
