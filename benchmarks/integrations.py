@@ -183,7 +183,8 @@ def bench_accelerate(mib: int, saves: int) -> dict[str, Any]:
     out = os.path.join(work, "result.json")
     try:
         _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-              "--log-dir", os.path.join(work, "logs"), "-m", "benchmarks.integrations", "_accelerate_worker", str(mib), str(saves), work, out])
+              "--log-dir", os.path.join(work, "logs"), "-m", "benchmarks.integrations",
+              "_accelerate_worker", str(mib), str(saves), work, out])
         raw = json.loads(Path(out).read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -92,8 +92,8 @@ def start(data_dir: str | None = None, timeout: float = 30.0, address: str = "12
              "admin.port.grpc"]
     ports = dict(zip(names, _free_ports(len(names), address)))
     # -logtostderr: glog's files would otherwise land in the system's temp dir, outliving us
-    args = [_weed_binary(), "-logtostderr", "mini", f"-dir={data_dir}", f"-ip={address}", f"-ip.bind={address}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false",
+    args = [_weed_binary(), "-logtostderr", "mini", f"-dir={data_dir}", f"-ip={address}",
+            f"-ip.bind={address}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=1024",
             *(f"-{k}={v}" for k, v in ports.items())]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
