@@ -54,8 +54,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
-from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
+from .manifest import Manifest
+from .paths import CONTROL_DIR, OWN_STORE
+from .runs import Location, RunStore
 from .session import pending_saves, url_key, wait_for_saves
 from .store import TEMP_PREFIX, Store
 

@@ -78,7 +78,7 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
     save in flight frees nothing now; the next eviction frees it.
     """
     from . import catalog
-    from .layout import RunStore
+    from .runs import RunStore
 
     present = RunStore.for_run(run_url, session=session).chunk_ids()
     held, bad = [], []

@@ -22,7 +22,8 @@ from .chunk_index import index_for
 from .chunk_store import ChunkStore
 from .errors import IntegrityError, StorageError, names_preview
 from .integrity import chunk_problem
-from .layout import Location, Manifest, RunStore
+from .manifest import Manifest
+from .runs import Location, RunStore
 
 log = logging.getLogger(__name__)
 

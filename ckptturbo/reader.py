@@ -32,10 +32,12 @@ from .chunk_source import ChunkSource
 from .broadcast import Part, Transfer, needs_communication, schedule
 from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
-from .layout import Location, Manifest, ShardRecord
+from .manifest import Manifest
+from .manifest_records import ShardRecord
 from .plan import ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
+from .runs import Location
 from .session import wait_for_saves
 from .staging import DeviceCopier, as_uint8
 

@@ -39,8 +39,10 @@ from . import eviction, peers, persist
 from .agreement import agree
 from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
+from .manifest import Manifest
+from .paths import MANIFEST_NAME, RUN_STORE
 from .peers import Nodes, Replicated
+from .runs import Location
 from .session import pending_saves
 from .staging import SaveHandle, SaveSummary
 from .tiers import Tiers, split_checkpoint

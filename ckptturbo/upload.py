@@ -27,7 +27,8 @@ from . import catalog, replicas
 from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex, index_for
 from .chunks import ChunkLayout, chunk_id, layout_chunks
-from .layout import RunStore, StoredPiece
+from .manifest_records import StoredPiece
+from .runs import RunStore
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
 
