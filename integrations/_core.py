@@ -6,6 +6,7 @@
   with ``ct.load_state_dict``.
 * ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
 * ``ckptturbo_errors``: around an adapter's public method, lets only ckptturbo's errors out.
+* ``chunk_store`` / ``shared_store`` / ``tiered_store``: the adapters' one ``store=`` option.
 """
 from __future__ import annotations
 
@@ -24,9 +25,35 @@ import ckptturbo as ct
 from ckptturbo import catalog
 from ckptturbo.agreement import gather
 from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
+from ckptturbo.paths import OWN_STORE, RUN_STORE
 from ckptturbo.tree import flatten
 
 log = logging.getLogger(__name__)
+
+
+# ``store=`` of the adapters, as the core's ``TurboWriter(store=...)`` names it
+STORES = {"checkpoint": OWN_STORE, "run": RUN_STORE}
+
+
+def chunk_store(store: str) -> str:
+    """The core's ``store=`` for an adapter's: "checkpoint" (each checkpoint holds its own
+    chunks), "run" (the checkpoints of a directory share one store), or a URL."""
+    return STORES.get(store, store)
+
+
+def shared_store(store: str) -> bool:
+    """Whether checkpoints share a chunk store, freed by gc, rather than each holding its own."""
+    return chunk_store(store) != OWN_STORE
+
+
+def tiered_store(store: str | None, tiers: ct.Tiers | None) -> str:
+    """The adapter's ``store``: by default "checkpoint", or "run" with tiers, which keep the
+    chunks of a directory in one store per tier (replication and persists copy between them)."""
+    if tiers is not None and store not in (None, "run"):
+        raise ct.CkptTurboError(f"tiers= keeps the chunks of a directory in one store per tier: "
+                                f"store={store!r} cannot be combined with it (leave store out, "
+                                "or pass \"run\")")
+    return store or ("run" if tiers is not None else "checkpoint")
 
 
 def _flat_planner() -> DefaultSavePlanner:
