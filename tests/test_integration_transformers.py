@@ -19,7 +19,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
 
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
-from ckptturbo.layout import OWN_STORE, Location  # noqa: E402
+from ckptturbo.paths import OWN_STORE  # noqa: E402
+from ckptturbo.runs import Location  # noqa: E402
 from ckptturbo.integrations.transformers import TurboCheckpointCallback, TurboTrainer  # noqa: E402
 from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
 
