@@ -30,7 +30,7 @@ def blocked_by_gc_lock(caplog: pytest.LogCaptureFixture, polls: int = 2) -> bool
     """Wait until a save has found the gc lock fresh ``polls`` times (the debug line
     ``begin_save`` writes before each pause): it is provably waiting for the gc, so that a
     "not done yet" check after it tests the lock, not how fast the machine is. Needs
-    ``caplog.at_level(logging.DEBUG, logger="ckptturbo")``."""
+    ``caplog.set_level(logging.DEBUG, logger="ckptturbo")`` first."""
     def seen() -> bool:
         lines = [r.getMessage() for r in list(caplog.records)]
         return sum("waits for the gc lock" in line for line in lines) >= polls
