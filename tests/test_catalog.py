@@ -229,7 +229,11 @@ def test_fresh_writers_share_the_run_chunk_index_until_a_gc(tmp_path):
     assert load_equal(str(run / "c"), sd)
 
 
-def _save_once(rank: int, world: int, url: str) -> None:
+def _save_once(rank: int, world: int, url: str, log_dir: str) -> None:
+    """One rank's save, its ckptturbo debug log in ``log_dir`` for the test to watch."""
+    handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
+    logging.getLogger("ckptturbo").addHandler(handler)
+    logging.getLogger("ckptturbo").setLevel(logging.DEBUG)
     dcp.save(tensors(7), storage_writer=ct.TurboWriter(url))
 
 
@@ -237,17 +241,21 @@ def test_every_rank_announces_and_the_commit_clears_all_markers(tmp_path):
     run = tmp_path / "run"
     lock = _hold_gc_lock(run)
     pending = run / ".ckptturbo" / "pending"
+    logs = tmp_path / "logs"
+    logs.mkdir()
     done = threading.Event()
 
     def save() -> None:
-        run_distributed(_save_once, 2, str(run / "a"), timeout=240)
+        run_distributed(_save_once, 2, str(run / "a"), str(logs), timeout=240)
         done.set()
+
+    def both_blocked() -> bool:  # each rank found the gc lock fresh twice: it waits for it
+        texts = [p.read_text() for p in logs.glob("rank*.log")]
+        return len(texts) == 2 and all(t.count("waits for the gc lock") >= 2 for t in texts)
 
     thread = threading.Thread(target=save)
     thread.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(pending.glob("*"))) < 2:
-        time.sleep(0.2)
+    assert wait_until(both_blocked, timeout=120, interval=0.2)
     names = sorted(p.name for p in pending.glob("*"))
     assert len(names) == 2 and {n.rsplit(".", 1)[1] for n in names} == {"0", "1"}, names
     assert len({n.rsplit(".", 1)[0] for n in names}) == 1  # one save id, one marker per rank
