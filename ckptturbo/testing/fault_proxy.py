@@ -52,6 +52,7 @@ through at rates below 1.
 Outages (:class:`Outage`), switchable while running, apply to every request: ``SLOW_DOWN``
 answers 503, ``REFUSE`` closes the listening port (connection refused; open connections
 are reset at their next request), ``BLACK_HOLE`` accepts and never answers.
+``set_outage`` returns once the port is as the outage says (closed, or listening again).
 
 ``latency_s`` delays every request before it is forwarded (a first-byte round trip);
 ``conn_rate`` caps each connection in each direction (bytes/s). Everything binds
