@@ -29,6 +29,7 @@ from ckptturbo.stream.format import TensorInfo
 from ckptturbo.stream.nextfile import next_shard
 from ckptturbo.stream.readahead import grid_plan, peak_held, plan_reads
 from ckptturbo.testing.launcher import run_distributed
+from tests.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -243,15 +244,6 @@ def test_single_file_s3_and_missing(s3_server, tmp_path):
         stream_safetensors(url + "/absent.safetensors", storage_options=s3_server.storage_options)
 
 
-def _wait_for(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_reads_go_ahead_by_bytes_not_files_while_the_consumer_waits(tmp_path):
     """A consumer stuck on the first tensor does not stop reads of later files while the
     budget allows them; an explicit lookahead still caps the files."""
@@ -261,12 +253,19 @@ def test_reads_go_ahead_by_bytes_not_files_while_the_consumer_waits(tmp_path):
     stream = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4)
     it = iter(stream)
     next(it)  # then lag: nothing more is consumed
-    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    assert wait_until(lambda: stream.source.counters()["bytes_fetched"] == total)
     stream.close()
     capped = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4, lookahead=1)
     it = iter(capped)
     next(it)
-    time.sleep(0.3)  # header GETs (1 MiB each) and the first file only
+    # wait until the window provably holds the reads back: every read of the first file is
+    # in, a pump now issues whatever the bounds allow (a read that just finished may not
+    # have run its own yet), and every read issued has arrived and been counted
+    assert wait_until(lambda: all(r.done.is_set() for r in capped._reads[0]))
+    capped._waiter.start()
+    assert wait_until(lambda: all(r.done.is_set() for reads in capped._reads for r in reads
+                                  if r.reserved))
+    # header GETs (1 MiB each) and the first file only
     assert capped.source.counters()["bytes_fetched"] <= os.path.getsize(files[0]) + 3 * MiB
     capped.close()
 
@@ -275,7 +274,7 @@ def test_start_reads_before_the_first_next(tmp_path):
     want = sharded_model(str(tmp_path / "m"), nshards=2, size=200_000)
     total = sum(os.path.getsize(f) for f in (tmp_path / "m").glob("*.safetensors"))
     stream = stream_safetensors(str(tmp_path / "m"), chunk_size=64 << 10, streams=4).start()
-    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    assert wait_until(lambda: stream.source.counters()["bytes_fetched"] == total)
     assert_same(dict(stream), want)
 
 
@@ -339,7 +338,7 @@ def test_memory_bound_small_limit_over_8mib_model(tmp_path):
     got = {}
     for name, t in stream:
         got[name] = t
-        time.sleep(0.002)  # a slow consumer: the prefetcher runs ahead as far as it may
+        time.sleep(0.002)  # workload, not a wait: a slow consumer lets the prefetcher run ahead
     assert_same(got, want)
     assert 0 < stream.stats["peak_bytes_held"] <= limit
 
@@ -638,9 +637,7 @@ def test_safe_open_s3_next_shard_not_opened_is_dropped(s3_server, tmp_path, monk
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
         got = {k: f.get_tensor(k) for k in f.keys()}
     ahead = nextfile._pending[shards[1]]
-    deadline = time.monotonic() + 10
-    while shards[1] in nextfile._pending and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: shards[1] not in nextfile._pending, timeout=10)  # parked 0.2 s
     assert shards[1] not in nextfile._pending and ahead.budget.held == 0
     # opened with other settings, the shard read ahead is not used; a missing one raises as usual
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
