@@ -57,11 +57,11 @@ def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None
 SAFETENSORS_SUFFIX = ".safetensors"
 
 
-def export_format(dest: str, format: str | None) -> str:
-    """The format an export writes: ``format`` when given, else what ``dest`` names (a
-    ``.safetensors`` file), so ``export run/step-7 out.safetensors`` needs no flag."""
-    if format is not None:
-        return format
+def export_format(dest: str, requested: str | None) -> str:
+    """The format an export writes: the ``requested`` one (--format), else what ``dest``
+    names (a ``.safetensors`` file), so ``export run/step-7 out.safetensors`` needs no flag."""
+    if requested is not None:
+        return requested
     if dest.rstrip("/").endswith(SAFETENSORS_SUFFIX):
         return "safetensors"
     raise FormatError(f"cannot tell which format to export to {dest!r}: name a "
