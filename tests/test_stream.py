@@ -10,6 +10,7 @@ import json
 import os
 import time
 import tracemalloc
+import warnings
 
 import fsspec
 import pytest
@@ -322,6 +323,29 @@ def test_views_are_read_only_copies_of_nothing_with_the_same_values(tmp_path, ch
         # neighbours in memory
         a, b = got["layer0.w0"], got["layer0.w1"]
         assert b.data_ptr() - a.data_ptr() == a.nbytes
+
+
+@pytest.mark.parametrize("where", ["local", "s3", "cache"])
+def test_views_raise_no_warning_and_stay_views(tmp_path, s3_server, where):
+    """Views are of buffers the stream read into, not of immutable bytes: torch warns of
+    no read-only buffer (any warning fails here), and the tensors are still views (bytes
+    from the disk cache are copied out instead)."""
+    want = sharded_model(str(tmp_path / "m"), size=300_000)
+    url, so = str(tmp_path / "m"), None
+    if where == "s3":
+        url, so = upload_dir(s3_server, url), s3_server.storage_options
+    cache = {"cache_dir": str(tmp_path / "cache")} if where == "cache" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2 if cache else 1):  # the second load reads the cache alone
+            stream = stream_safetensors(url, storage_options=so, chunk_size=4 * MiB,
+                                        streams=3, views=True, **cache)
+            got = dict(stream)
+    assert_same(got, want)
+    if not cache:
+        a, b = got["layer0.w0"], got["layer0.w1"]
+        assert b.data_ptr() - a.data_ptr() == a.nbytes
+    assert stream.stats["cache_hits" if cache else "bytes_fetched"] > 0
 
 
 # --- memory bound --------------------------------------------------------------------------
