@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "TurboWriter": ".writer",
     "TurboReader": ".reader",
+    "TurboSavePlanner": ".planner",
     "save": ".api",
     "load": ".api",
     "load_state_dict": ".api",

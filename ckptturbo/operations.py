@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import CkptTurboError, MismatchError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
+from .planner import on_group
 from .reader import TurboReader
 from .session import single_process
 from .staging import SaveHandle, SaveSummary
@@ -77,6 +78,7 @@ def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str
         with contextlib.suppress(Exception):  # its failure belongs to its own handle
             _gate(previous[-1]).exception()
     group = session.gloo_group(process_group, "save") if collective and dist.is_initialized() else None
+    planner = on_group(planner, group)
     started = time.monotonic()
 
     def staged() -> None:

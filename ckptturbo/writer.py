@@ -30,7 +30,9 @@ from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CkptTurboError, ReplicaMismatchError
 from .manifest import build_manifest
+from .plan.digests import PlanDigest
 from .runs import Location
+from .save_groups import assign_grouped
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
 from .upload import SaveStats, Upload, plan_entries, stage_state_dict
@@ -177,13 +179,19 @@ class TurboWriter(StorageWriter, AsyncStager):
             self._refuse_existing()
         if not plan.usable:  # DCP's plan cache: the same plan as last time, nothing to add
             return plan
-        held = save_plan.holdings(plan)
-        self._held = (held.signature, plan.items)
+        grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
+        local = grouped.local if grouped is not None else plan
+        held = save_plan.holdings(local)
+        self._held = (held.signature, local.items)
+        if grouped is not None and not grouped.sender:  # the group's first rank sends them
+            return plan
         return dataclasses.replace(plan, storage_data=held)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Who writes which bytes; each rank gets back only its own ``Assignment`` (the
         items it sent stay on it). No storage request: that waits until after staging."""
+        if plans and isinstance(plans[0].planner_data, PlanDigest):
+            return self._prepare_grouped(plans)
         if plans and not any(p.usable for p in plans):
             self.plan_cache_hits += 1  # DCP's plan cache: every rank reuses the plan it has
             return plans
@@ -210,6 +218,23 @@ class TurboWriter(StorageWriter, AsyncStager):
                                            save_id=self.save_id)
         self._cached_plan = (key, assignments, plans)
         return [dataclasses.replace(p, items=[], storage_data=a) for p, a in zip(plans, assignments)]
+
+    def _prepare_grouped(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Plans from ``TurboSavePlanner``: one whole plan per distinct digest
+        (``save_groups``); the same digests on the same ranks reuse the last plan."""
+        key = tuple(p.planner_data.digest for p in plans)
+        last = self._cached_plan
+        if last is not None and last[0] == key:
+            assignments = last[1]
+            self.plan_cache_hits += 1
+        else:
+            assignments = assign_grouped(plans, balance=self.balance, chunk_size=self.chunk_size,
+                                         weights=self.weights,
+                                         check_replicas=self.replica_check != "off",
+                                         save_id=self.save_id)
+        self._cached_plan = (key, assignments, plans)
+        return [dataclasses.replace(p, items=[], storage_data=a, planner_data=None)
+                for p, a in zip(plans, assignments)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         started = time.monotonic()

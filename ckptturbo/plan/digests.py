@@ -1,0 +1,59 @@
+"""Ranks with equal local plans: recognised by a digest, planned once.
+
+Every rank of a DDP job, and every replica of an HSDP shard group, makes the same local
+save plan. Sent whole from every rank, those plans make the coordinator's work grow with
+world x items. Instead each rank names its plan by a digest; the first rank of each digest
+sends the plan itself, the others only the digest (``PlanDigest``), and the coordinator
+plans each distinct plan once. Pure: no I/O, no collectives.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+DIGEST_BYTES = 16
+
+
+class PlanDigest:
+    """The planner data of a grouped local plan: its ``digest``, whether this rank is the
+    one that sends the plan (``sender``: the first rank with that digest), and ``mappings``
+    (DCP's flattening of the state dict; sent by the sender only).
+
+    ``local`` is the rank's whole local plan; it never travels (the writer and the
+    planner on the rank read their items from it)."""
+
+    __slots__ = ("digest", "sender", "mappings", "local")
+
+    def __init__(self, digest: str, sender: bool, mappings: Any = None, local: Any = None) -> None:
+        self.digest = digest
+        self.sender = sender
+        self.mappings = mappings
+        self.local = local
+
+    def __reduce__(self) -> tuple:
+        return (PlanDigest, (self.digest, self.sender, self.mappings if self.sender else None))
+
+
+def plan_digest(items: Sequence[Any], mappings: Any) -> str:
+    """A digest of a local plan's items and mappings: equal digests mean equal plans (the
+    pickled form of equal plans made by the same code on every rank is the same)."""
+    blob = pickle.dumps((list(items), mappings), protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.blake2b(blob, digest_size=DIGEST_BYTES).hexdigest()
+
+
+def first_ranks(digests: Sequence[str]) -> dict[str, int]:
+    """The first rank of each distinct digest (the one that sends its plan)."""
+    out: dict[str, int] = {}
+    for rank, digest in enumerate(digests):
+        out.setdefault(digest, rank)
+    return out
+
+
+def ranks_by_digest(digests: Sequence[str]) -> dict[str, list[int]]:
+    """Every distinct digest and its ranks, ascending, in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        out.setdefault(digest, []).append(rank)
+    return out
