@@ -58,6 +58,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import ckptturbo as ct
 from ckptturbo import replicas, save_plan
 from ckptturbo.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD, layout_chunks
+from ckptturbo.plan.digests import first_ranks, plan_digest
+from ckptturbo.planner import TurboSavePlanner, grouped_plan
 from ckptturbo.upload import Entry, place
 
 from .plan_scale import print_table
@@ -186,6 +188,19 @@ class Side:
     results: Callable[[int, Any, list, Any], list[WriteResult]]
     intake_save: Callable[[Any, list], Any]
     intake_load: Callable[[Any, Any], Any]
+    grouped: bool = False  # ckptturbo's own planner: one plan per digest (TurboSavePlanner)
+
+
+class SimulatedGroupPlanner(TurboSavePlanner):
+    """TurboSavePlanner whose digest exchange is played by the harness: ``first`` says
+    whether this rank is the first with its digest (the exchange's cost is counted apart)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__(process_group="simulated")
+        self.first = first
+
+    def _is_first(self, digest: str) -> bool:
+        return self.first
 
 
 def dcp_results(rank: int, plan: Any, local_items: list, writer: Any) -> list[WriteResult]:
@@ -230,6 +245,10 @@ SIDES = {
     "ckptturbo": Side("ckptturbo", lambda url: ct.TurboWriter(url),
                       lambda url: ct.TurboReader(url, broadcast=True), turbo_results, turbo_intake_save,
                       lambda reader, plan: reader.chain_batch(plan.storage_data)),
+    "ckptturbo-own": Side("ckptturbo-own", lambda url: ct.TurboWriter(url),
+                          lambda url: ct.TurboReader(url, broadcast=True), turbo_results,
+                          turbo_intake_save, lambda reader, plan: reader.chain_batch(plan.storage_data),
+                          grouped=True),
     "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url), dcp_results,
                 lambda plan, items: None, lambda reader, plan: None),
 }
@@ -258,8 +277,11 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     classes = rank_classes(world, sharded)
     rep_of = {r: rep for rep, members in classes for r in members}
     planners, writers, local, sent_items = {}, {}, {}, {}
+    firsts = _digest_exchange(ledger, world, rep_of, sds) if side.grouped else set()
+    plans_of: dict[int, Any] = {}  # rank -> the plan it sends, where not its class's
     for rep, members in classes:
-        planner = planners[rep] = DefaultSavePlanner(enable_plan_caching=caching)
+        planner = planners[rep] = (SimulatedGroupPlanner(rep in firsts) if side.grouped else
+                                   DefaultSavePlanner(enable_plan_caching=caching))
         writer = writers[rep] = side.writer(url)
         caches.use(rep)
 
@@ -275,8 +297,12 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         ledger.cost["local"] += (t + t2) * len(members)
         ledger.planner += t * len(members)
         sent_items[rep] = getattr(planner, "_pending_local_plan", planner.plan).items
-        local[rep], _ = ledger.wire("gather", plan, len(members), to_rank=False)
-    all_plans = [local[rep_of[r]] for r in range(world)]
+        others = [r for r in members if (r in firsts) != (rep in firsts)]
+        local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
+        for r in others:  # a sender and the members that are not, or the other way round
+            mine = grouped_plan(planner.plan, plan.planner_data.digest, r in firsts)
+            plans_of[r], _ = ledger.wire("gather", writer.prepare_local_plan(mine), 1, to_rank=False)
+    all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     caches.use(0)
     (central, metadata), t = cpu(lambda: planners[0].create_global_plan(all_plans))
     central, t2 = cpu(lambda: writers[0].prepare_global_plan(central))
@@ -303,6 +329,25 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     _, t = cpu(lambda: writers[0].finish(metadata, results))
     ledger.cost["finish"] += t
     return ledger
+
+
+def _digest_exchange(ledger: Ledger, world: int, rep_of: dict[int, int],
+                     sds: dict[int, dict]) -> set[int]:
+    """TurboSavePlanner's one collective, played here: every rank's digest gathered on the
+    coordinator, the first rank of each broadcast; returns those ranks. Digests are made
+    by the planner on each rank and counted there; the harness makes them uncounted."""
+    digests = {}
+    for rep in set(rep_of.values()):
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=sds[rep], is_coordinator=rep == 0)
+        plan = planner.create_local_plan()
+        digests[rep] = plan_digest(plan.items, plan.planner_data)
+    sent = ledger.wire("gather", digests[rep_of[0]], world, to_rank=False)[0]
+    everyone = [sent if rep_of[r] == rep_of[0] else digests[rep_of[r]] for r in range(world)]
+    firsts, t = cpu(lambda: sorted(first_ranks(everyone).values()))
+    ledger.cost["global"] += t
+    ledger.wire("scatter", firsts, world, to_rank=True)
+    return set(firsts)
 
 
 def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int, dict]) -> Ledger:
@@ -371,7 +416,7 @@ def run_world(workload: str, world: int, root: str) -> dict[str, Any]:
         # fresh meta tensors: DCP's load planner materialises the meta tensors of the state
         # dict it loads into, in place, so a load given the dicts another load used skips that
         load = simulate_load(side, url, world, sharded, states(model, sharded, world))
-        meta = os.path.join(url, "manifest.json" if name == "ckptturbo" else ".metadata")
+        meta = os.path.join(url, ".metadata" if name == "dcp" else "manifest.json")
         row[name] = {
             "save": dict(save.cost), "save_again": dict(again.cost), "load": dict(load.cost),
             "total_s": sum(save.cost.values()) + sum(load.cost.values()),
@@ -404,7 +449,7 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
     for workload in sorted({r["workload"] for r in rows}):
         mine = sorted((r for r in rows if r["workload"] == workload), key=lambda r: r["ranks"])
         top = mine[-1]
-        t, d = top["ckptturbo"], top["dcp"]
+        t, d, o = top["ckptturbo"], top["dcp"], top["ckptturbo-own"]
         out[workload] = {
             "ranks": top["ranks"],
             "total_ratio": t["total_s"] / d["total_s"],
@@ -414,6 +459,10 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
             "dcp_scatter_exponent": exponent(mine, "dcp", "scatter_bytes"),
             "cached_save_ratio": t["coordinator_again_s"] / t["coordinator_s"],
             "manifest_ratio": t["metadata_bytes"] / d["metadata_bytes"],
+            "own_total_ratio": o["total_s"] / d["total_s"],
+            "own_coordinator_ratio": o["coordinator_s"] / d["coordinator_s"],
+            "own_total_exponent": exponent(mine, "ckptturbo-own", "total_s"),
+            "own_coordinator_exponent": exponent(mine, "ckptturbo-own", "coordinator_s"),
         }
     return out
 
@@ -435,6 +484,11 @@ def scenario(args: Any) -> Report:
         t, d = top["ckptturbo"], top["dcp"]
         at = f"{workload} @ {top['ranks']}"
         report.compare(f"{at}: coordinator path CPU s", t["total_s"], d["total_s"], "s", target=0.5)
+        own = top["ckptturbo-own"]
+        report.compare(f"{at}: coordinator path CPU s, ckptturbo's own planners", own["total_s"],
+                       d["total_s"], "s", target=0.1 if workload.startswith("ddp") else 0.3)
+        report.compare(f"{at}: coordinator CPU s, ckptturbo's own planners", own["coordinator_s"],
+                       d["coordinator_s"], "s", target=0.1)
         report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"], "B",
                        target=1.0)
         report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0, "x",
@@ -513,6 +567,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{s['scatter_exponent']:.2f} (DCP {s['dcp_scatter_exponent']:.2f}; <= 1.05), "
               f"cached save / first (coordinator) {s['cached_save_ratio']:.3f} (<= 0.1), "
               f"manifest {s['manifest_ratio']:.2f}x (<= 1)")
+        print(f"  {workload} @ {s['ranks']}, ckptturbo with its own planners / DCP: total "
+              f"{s['own_total_ratio']:.3f}x, coordinator {s['own_coordinator_ratio']:.3f}x; growth "
+              f"exponents: total {s['own_total_exponent']:.2f}, coordinator "
+              f"{s['own_coordinator_exponent']:.2f}")
     doc = {"rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:

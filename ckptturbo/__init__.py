@@ -21,6 +21,7 @@ _PUBLIC = {
     "TurboWriter": ".writer",
     "TurboReader": ".reader",
     "TurboSavePlanner": ".planner",
+    "TurboLoadPlanner": ".planner",
     "save": ".api",
     "load": ".api",
     "load_state_dict": ".api",

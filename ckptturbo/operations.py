@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .errors import CkptTurboError, MismatchError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
-from .planner import on_group
+from .planner import TurboLoadPlanner, on_group
 from .reader import TurboReader
 from .session import single_process
 from .staging import SaveHandle, SaveSummary
@@ -134,7 +133,8 @@ def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
             dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                     planner=planner or DefaultLoadPlanner(allow_partial_load=not strict),
+                     planner=planner or TurboLoadPlanner(_load_group(process_group),
+                                                         allow_partial_load=not strict),
                      no_dist=not dist.is_initialized())
 
     if tiers is None:
@@ -163,7 +163,8 @@ def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, An
                 flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
             else:
                 flat[key] = None
-        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner = TurboLoadPlanner(_load_group(group) if use_group else None,
+                                   flatten_state_dict=False, flatten_sharded_tensors=False)
         with ckptturbo_errors("loading", reader.url), single_process(not use_group):
             dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
                      no_dist=not use_group)
@@ -175,6 +176,14 @@ def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, An
     agree = session.gloo_group(group, "tiers") if use_group else None
     return _recover(session, url, tiers, storage_options, agree, attempt,
                     dict(reader_options, process_group=group, allow_pickle=allow_pickle))[0]
+
+
+def _load_group(process_group: Any) -> Any:
+    """The group dcp.load runs on (its default: the world), for ckptturbo's load planner;
+    None without one (the planner then plans as DCP's)."""
+    if not dist.is_initialized():
+        return None
+    return process_group if process_group is not None else dist.group.WORLD
 
 
 def _recover(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,

@@ -22,9 +22,9 @@ import dataclasses
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
 from .errors import CkptTurboError
 from .plan.digests import PlanDigest, first_ranks, plan_digest, ranks_by_digest
@@ -54,38 +54,20 @@ class TurboSavePlanner(DefaultSavePlanner):
         if self.process_group is None:
             return plan
         digest = plan_digest(plan.items, plan.planner_data)
-        sender = self._is_first(digest)
-        data = PlanDigest(digest, sender, plan.planner_data, local=plan)
-        return SavePlan(plan.items if sender else [], planner_data=data)
+        return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        """Whether this rank is the first of its group with ``digest``: the coordinator
-        gathers the digests and broadcasts the first rank of each (the one collective)."""
-        group = self.process_group
-        world = dist.get_world_size(group)
-        if world == 1:
-            return True
-        me = dist.get_rank(group)
-        gathered: list[Any] | None = [None] * world if me == 0 else None
-        dist.gather_object(digest, gathered, group=group, group_dst=0)
-        box: list[Any] = [sorted(first_ranks(gathered).values()) if gathered else None]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        firsts = box[0]
-        at = bisect.bisect_left(firsts, me)
-        return at < len(firsts) and firsts[at] == me
+        return first_with(digest, self.process_group)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's dedup, metadata and validation over the distinct plans only; a sender gets
         back its deduplicated plan, every other rank its own empty plan."""
         if not all(isinstance(p.planner_data, PlanDigest) for p in all_plans):
             return super().create_global_plan(all_plans)
-        groups = ranks_by_digest([p.planner_data.digest for p in all_plans])
+        groups = _groups(all_plans, "TurboSavePlanner")
         distinct = []
-        for digest, ranks in groups.items():
+        for ranks in groups.values():
             first = all_plans[ranks[0]]
-            if not first.planner_data.sender:
-                raise CkptTurboError(f"TurboSavePlanner: no rank sent the plan of digest {digest} "
-                                     f"(ranks {ranks[:8]}); the ranks disagreed on who sends it")
             distinct.append(dataclasses.replace(first, planner_data=first.planner_data.mappings))
         planned, metadata = self._create_global_plan(distinct)
         out = list(all_plans)
@@ -96,13 +78,96 @@ class TurboSavePlanner(DefaultSavePlanner):
         return out, metadata
 
 
+class TurboLoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` with ranks of equal plans recognised by digest: the
+    first rank with each digest sends its plan, the others the digest, and each rank's
+    ``finish_plan`` puts its own items back (so any storage reader gets whole plans).
+    ``TurboReader`` schedules its read-once chains from the distinct plans' needs.
+
+    Args:
+        process_group: the group the load runs on (None: plan as ``DefaultLoadPlanner``).
+        flatten_state_dict, flatten_sharded_tensors, allow_partial_load: as for
+            ``DefaultLoadPlanner``.
+    """
+
+    def __init__(self, process_group: Any = None, *, flatten_state_dict: bool = True,
+                 flatten_sharded_tensors: bool = True, allow_partial_load: bool = False) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict,
+                         flatten_sharded_tensors=flatten_sharded_tensors,
+                         allow_partial_load=allow_partial_load)
+        self.process_group = process_group
+        self._local: LoadPlan | None = None
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        self._local = plan
+        if self.process_group is None:
+            return plan
+        digest = plan_digest(plan.items, None)
+        return grouped_plan(plan, digest, self._is_first(digest))
+
+    def _is_first(self, digest: str) -> bool:
+        return first_with(digest, self.process_group)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        if all(isinstance(p.planner_data, PlanDigest) for p in global_plan):
+            _groups(global_plan, "TurboLoadPlanner")  # every digest has its sender
+            return global_plan
+        return super().create_global_plan(global_plan)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        """A grouped plan comes back without items (the rank has them): put them back."""
+        if isinstance(new_plan.planner_data, PlanDigest) and not new_plan.items:
+            if self._local is None:
+                raise CkptTurboError("TurboLoadPlanner.finish_plan got a grouped plan before "
+                                     "this planner made a local plan")
+            return dataclasses.replace(new_plan, items=self._local.items)
+        return new_plan
+
+
+def first_with(digest: str, group: Any) -> bool:
+    """Whether this rank is the first in ``group`` with ``digest``: the group's rank 0
+    gathers every digest and broadcasts the first rank of each (the planners' one
+    collective; each rank receives the list of first ranks, not the digests)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return True
+    me = dist.get_rank(group)
+    gathered: list[Any] | None = [None] * world if me == 0 else None
+    dist.gather_object(digest, gathered, group=group, group_dst=0)
+    box: list[Any] = [sorted(first_ranks(gathered).values()) if gathered else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    firsts = box[0]
+    at = bisect.bisect_left(firsts, me)
+    return at < len(firsts) and firsts[at] == me
+
+
+def _groups(plans: list[Any], who: str) -> dict[str, list[int]]:
+    """Each digest's ranks; the first of each must have sent its plan."""
+    groups = ranks_by_digest([p.planner_data.digest for p in plans])
+    for digest, ranks in groups.items():
+        if not plans[ranks[0]].planner_data.sender:
+            raise CkptTurboError(f"{who}: no rank sent the plan of digest {digest} (ranks "
+                                 f"{ranks[:8]}); the ranks disagreed on who sends it")
+    return groups
+
+
+def grouped_plan(plan: Any, digest: str, sender: bool) -> Any:
+    """What a rank sends for its local save or load ``plan``: the plan itself from the
+    first rank with its digest, an empty plan naming the digest from every other (the
+    plan stays on the rank)."""
+    data = PlanDigest(digest, sender, plan.planner_data, local=plan)
+    return dataclasses.replace(plan, items=plan.items if sender else [], planner_data=data)
+
+
 def on_group(planner: Any, group: Any) -> Any:
     """The planner a ``ct.save`` on ``group`` runs: ckptturbo's own by default, and a
-    ``TurboSavePlanner`` without a group bound to it (a copy: the caller's stays as it is).
-    Without a group (one process saving alone) every planner runs as given."""
+    planner of ckptturbo's without a group bound to it (a copy: the caller's stays as it
+    is). Without a group (one process alone) every planner runs as given."""
     if planner is None:
         return TurboSavePlanner(group)
-    if group is not None and isinstance(planner, TurboSavePlanner) and planner.process_group is None:
+    ours = isinstance(planner, (TurboSavePlanner, TurboLoadPlanner))
+    if group is not None and ours and planner.process_group is None:
         planner = copy.copy(planner)
         planner.process_group = group
     return planner

@@ -35,6 +35,7 @@ from .groups import Transport, check_transport, load_transport
 from .manifest import Manifest
 from .manifest_records import ShardRecord
 from .plan import ReadNeed, chunks_touched, plan_reads
+from .plan.digests import PlanDigest
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
 from .runs import Location
@@ -221,12 +222,16 @@ class TurboReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """With chained loads, tell the coordinator which chunks this rank needs (computed
         here, where the items are, not on the coordinator for every rank)."""
-        self._local_items = plan.items
+        grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
+        items = grouped.local.items if grouped is not None else plan.items
+        self._local_items = items
         if not (dist.is_initialized() and self._broadcasting()):
             return plan
+        if grouped is not None and not grouped.sender:  # the first rank of its group sends
+            return plan
         ordinal = self._chunk_ordinals()
-        needs = array("i", (ordinal[cid] for cid in self._chunks_of(plan.items)))
-        return dataclasses.replace(plan, storage_data=LocalReads(plan.items, needs.tobytes()))
+        needs = array("i", (ordinal[cid] for cid in self._chunks_of(items)))
+        return dataclasses.replace(plan, storage_data=LocalReads(items, needs.tobytes()))
 
     def _broadcasting(self) -> bool:
         if self.broadcast == "auto":
@@ -243,10 +248,16 @@ class TurboReader(StorageReader):
         sizes = np.fromiter(self._chunk_sizes.values(), dtype=np.int64, count=len(ids))
         ordinal = self._chunk_ordinals()
         per_rank = []
+        of_group: dict[str, np.ndarray] = {}  # TurboLoadPlanner: the needs its first rank sent
         for plan in plans:
             sent = plan.storage_data
+            grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
             if isinstance(sent, LocalReads):
                 per_rank.append(np.frombuffer(sent.needs, dtype=np.int32))
+                if grouped is not None:
+                    of_group[grouped.digest] = per_rank[-1]
+            elif grouped is not None and grouped.digest in of_group:
+                per_rank.append(of_group[grouped.digest])
             else:  # a plan that did not pass through prepare_local_plan
                 per_rank.append(np.array([ordinal[c] for c in self._chunks_of(plan.items)], np.int32))
         counts = np.fromiter((len(n) for n in per_rank), dtype=np.int64, count=len(per_rank))

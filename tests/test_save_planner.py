@@ -3,13 +3,14 @@ once, its checkpoints load bit-exact through DCP's own load planner (resharded t
 DCP's planner and writers and ours mix in either direction."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (DefaultSavePlanner, FileSystemReader,
-                                          FileSystemWriter)
+from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner,
+                                          FileSystemReader, FileSystemWriter)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -17,7 +18,7 @@ import ckptturbo as ct
 from ckptturbo.plan.digests import PlanDigest
 from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed
-from test_dcp_distributed import CHUNK, build_state, check_state, load_rank
+from test_dcp_distributed import CHUNK, build_state, check_state, load_rank, save_rank
 
 
 def _ct_save(rank: int, world: int, url: str) -> None:
@@ -35,6 +36,22 @@ def test_ct_save_plans_with_ours_and_loads_resharded_with_dcps(tmp_path):
     sd = build_state(1, zeros=True)
     dcp.load(sd, storage_reader=ct.TurboReader(url))
     check_state(sd)
+
+
+def _ct_load(rank: int, world: int, url: str, broadcast: bool) -> None:
+    """ct.load with its default planner (ckptturbo's own), checked bit-exact."""
+    sd = build_state(world, zeros=True)
+    ct.load(sd, url, broadcast=broadcast)
+    check_state(sd)
+
+
+def test_ct_load_plans_with_ours_checkpoint_of_dcps_planner(tmp_path):
+    """A checkpoint planned by DCP's planner (dcp.save + TurboWriter) loads through ct.load,
+    whose planner is ckptturbo's own, bit-exact, resharded, chained or not."""
+    url = str(tmp_path / "run" / "step-1")
+    run_distributed(save_rank, 4, url, timeout=240)
+    run_distributed(_ct_load, 3, url, True, timeout=240)
+    run_distributed(_ct_load, 2, url, False, timeout=240)
 
 
 def _replicated(world: int) -> dict:
@@ -85,14 +102,18 @@ def _save_both_ways(rank: int, world: int, root: str) -> dict:
 
 
 def _load_everywhere(rank: int, world: int, root: str) -> None:
-    """Each checkpoint through the other planner's side: DCP's load planner everywhere."""
-    for name, reader in (("dcp", ct.TurboReader(f"{root}/dcp")),
-                         ("ours", ct.TurboReader(f"{root}/ours")),
-                         ("fs", FileSystemReader(f"{root}/fs"))):
+    """Each checkpoint through each load planner, DCP's and ours, with each reader (chained
+    reads from storage once, and every rank reading for itself)."""
+    readers = [("dcp", lambda: ct.TurboReader(f"{root}/dcp", broadcast=True)),
+               ("ours", lambda: ct.TurboReader(f"{root}/ours", broadcast=True)),
+               ("ours", lambda: ct.TurboReader(f"{root}/ours", broadcast=False)),
+               ("fs", lambda: FileSystemReader(f"{root}/fs"))]
+    planners = (DefaultLoadPlanner, lambda: ct.TurboLoadPlanner(dist.group.WORLD))
+    for (name, reader), planner in itertools.product(readers, planners):
         expected = _replicated(world)
         sd = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
               for k, v in expected.items()}
-        dcp.load(sd, storage_reader=reader)
+        dcp.load(sd, storage_reader=reader(), planner=planner())
         for key, value in expected.items():
             got = sd[key]
             if isinstance(value, torch.Tensor):
