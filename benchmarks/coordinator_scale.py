@@ -58,8 +58,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import ckptturbo as ct
 from ckptturbo import replicas, save_plan
 from ckptturbo.chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD, layout_chunks
-from ckptturbo.plan.digests import first_ranks, plan_digest
-from ckptturbo.planner import TurboSavePlanner, grouped_plan
+from ckptturbo.plan.digests import first_ranks
+from ckptturbo.planner import TurboLoadPlanner, TurboSavePlanner, grouped_plan, save_digest
 from ckptturbo.upload import Entry, place
 
 from .plan_scale import print_table
@@ -191,6 +191,23 @@ class Side:
     grouped: bool = False  # ckptturbo's own planner: one plan per digest (TurboSavePlanner)
 
 
+class SimulatedGroupLoadPlanner(TurboLoadPlanner):
+    """TurboLoadPlanner whose digest exchange the harness plays after every class has
+    planned: ``create_local_plan`` keeps the digest, and the harness regroups the plan."""
+
+    def __init__(self) -> None:
+        super().__init__(process_group="simulated")
+        self.digest = ""
+
+    @property
+    def local(self) -> Any:
+        return self._local
+
+    def _is_first(self, digest: str) -> bool:
+        self.digest = digest
+        return True
+
+
 class SimulatedGroupPlanner(TurboSavePlanner):
     """TurboSavePlanner whose digest exchange is played by the harness: ``first`` says
     whether this rank is the first with its digest (the exchange's cost is counted apart)."""
@@ -277,7 +294,8 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     classes = rank_classes(world, sharded)
     rep_of = {r: rep for rep, members in classes for r in members}
     planners, writers, local, sent_items = {}, {}, {}, {}
-    firsts = _digest_exchange(ledger, world, rep_of, sds) if side.grouped else set()
+    firsts = (_digest_exchange(ledger, world, rep_of, _save_digests(rep_of, sds)) if side.grouped
+              else set())
     plans_of: dict[int, Any] = {}  # rank -> the plan it sends, where not its class's
     for rep, members in classes:
         planner = planners[rep] = (SimulatedGroupPlanner(rep in firsts) if side.grouped else
@@ -331,17 +349,21 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     return ledger
 
 
-def _digest_exchange(ledger: Ledger, world: int, rep_of: dict[int, int],
-                     sds: dict[int, dict]) -> set[int]:
-    """TurboSavePlanner's one collective, played here: every rank's digest gathered on the
-    coordinator, the first rank of each broadcast; returns those ranks. Digests are made
-    by the planner on each rank and counted there; the harness makes them uncounted."""
+def _save_digests(rep_of: dict[int, int], sds: dict[int, dict]) -> dict[int, str]:
+    """Each class's save-plan digest, made uncounted (each rank's planner makes and counts
+    its own)."""
     digests = {}
     for rep in set(rep_of.values()):
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict=sds[rep], is_coordinator=rep == 0)
-        plan = planner.create_local_plan()
-        digests[rep] = plan_digest(plan.items, plan.planner_data)
+        digests[rep] = save_digest(planner.create_local_plan())
+    return digests
+
+
+def _digest_exchange(ledger: Ledger, world: int, rep_of: dict[int, int],
+                     digests: dict[int, str]) -> set[int]:
+    """The planners' one collective, played here: every rank's digest gathered on the
+    coordinator, the first rank of each broadcast; returns those ranks."""
     sent = ledger.wire("gather", digests[rep_of[0]], world, to_rank=False)[0]
     everyone = [sent if rep_of[r] == rep_of[0] else digests[rep_of[r]] for r in range(world)]
     firsts, t = cpu(lambda: sorted(first_ranks(everyone).values()))
@@ -360,25 +382,40 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     # three, as a single sample multiplied by thousands of ranks carries its noise with it
     again = [cpu(side.reader(url).read_metadata)[1] for _ in range(2)]
     ledger.cost["metadata"] += sorted([t, *again])[1] * world
-    planners, readers, local = {}, {}, {}
+    planners, readers, local, made = {}, {}, {}, {}
     for rep, members in classes:
-        planner = planners[rep] = DefaultLoadPlanner()
-        reader = readers[rep] = copy.copy(first)  # shares the parsed manifest, not the state
+        planner = planners[rep] = SimulatedGroupLoadPlanner() if side.grouped else DefaultLoadPlanner()
 
         def planner_step() -> Any:
             planner.set_up_planner(sds[rep], metadata, rep == 0)
             return planner.create_local_plan()
 
+        made[rep], t = cpu(planner_step)
+        ledger.cost["local"] += t * len(members)
+        ledger.planner += t * len(members)
+    firsts = set()
+    if side.grouped:
+        firsts = _digest_exchange(ledger, world, rep_of,
+                                  {rep: planners[rep].digest for rep, _ in classes})
+    plans_of: dict[int, Any] = {}  # rank -> the plan it sends, where not its class's
+    for rep, members in classes:
+        reader = readers[rep] = copy.copy(first)  # shares the parsed manifest, not the state
+        plan = made[rep]
+        if side.grouped:
+            plan = grouped_plan(planners[rep].local, plan.planner_data.digest, rep in firsts)
+
         def reader_step(plan: Any) -> Any:
             reader.set_up_storage_reader(metadata, rep == 0, rank=rep, use_collectives=True)
             return reader.prepare_local_plan(plan)
 
-        plan, t = cpu(planner_step)
         plan, t2 = cpu(lambda: reader_step(plan))
-        ledger.cost["local"] += (t + t2) * len(members)
-        ledger.planner += t * len(members)
-        local[rep], _ = ledger.wire("gather", plan, len(members), to_rank=False)
-    all_plans = [local[rep_of[r]] for r in range(world)]
+        ledger.cost["local"] += t2 * len(members)
+        others = [r for r in members if (r in firsts) != (rep in firsts)]
+        local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
+        for r in others:
+            mine = grouped_plan(planners[rep].local, plan.planner_data.digest, r in firsts)
+            plans_of[r], _ = ledger.wire("gather", reader.prepare_local_plan(mine), 1, to_rank=False)
+    all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     central, t = cpu(lambda: planners[0].create_global_plan(all_plans))
     central, t2 = cpu(lambda: readers[0].prepare_global_plan(central))
     ledger.cost["global"] += t + t2

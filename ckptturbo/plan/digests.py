@@ -36,11 +36,13 @@ class PlanDigest:
         return (PlanDigest, (self.digest, self.sender, self.mappings if self.sender else None))
 
 
-def plan_digest(items: Sequence[Any], mappings: Any) -> str:
-    """A digest of a local plan's items and mappings: equal digests mean equal plans (the
-    pickled form of equal plans made by the same code on every rank is the same)."""
-    blob = pickle.dumps((list(items), mappings), protocol=pickle.HIGHEST_PROTOCOL)
-    return hashlib.blake2b(blob, digest_size=DIGEST_BYTES).hexdigest()
+def plan_digest(lines: Sequence[str], mappings: Any) -> str:
+    """A digest of a local plan: ``lines`` describe its items, one line each naming all
+    the coordinator plans with (the planner makes them); ``mappings`` is its planner data.
+    Equal digests mean equal plans."""
+    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=DIGEST_BYTES)
+    h.update(pickle.dumps(mappings, protocol=pickle.HIGHEST_PROTOCOL))
+    return h.hexdigest()
 
 
 def first_ranks(digests: Sequence[str]) -> dict[str, int]:
