@@ -264,7 +264,8 @@ SIDES = {
                       lambda reader, plan: reader.chain_batch(plan.storage_data)),
     "ckptturbo-own": Side("ckptturbo-own", lambda url: ct.TurboWriter(url),
                           lambda url: ct.TurboReader(url, broadcast=True), turbo_results,
-                          turbo_intake_save, lambda reader, plan: reader.chain_batch(plan.storage_data),
+                          turbo_intake_save,
+                          lambda reader, plan: reader.chain_batch(plan.storage_data),
                           grouped=True),
     "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url), dcp_results,
                 lambda plan, items: None, lambda reader, plan: None),
@@ -319,7 +320,8 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
         for r in others:  # a sender and the members that are not, or the other way round
             mine = grouped_plan(planner.plan, plan.planner_data.digest, r in firsts)
-            plans_of[r], _ = ledger.wire("gather", writer.prepare_local_plan(mine), 1, to_rank=False)
+            plans_of[r], _ = ledger.wire("gather", writer.prepare_local_plan(mine), 1,
+                                         to_rank=False)
     all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     caches.use(0)
     (central, metadata), t = cpu(lambda: planners[0].create_global_plan(all_plans))
@@ -384,7 +386,8 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     ledger.cost["metadata"] += sorted([t, *again])[1] * world
     planners, readers, local, made = {}, {}, {}, {}
     for rep, members in classes:
-        planner = planners[rep] = SimulatedGroupLoadPlanner() if side.grouped else DefaultLoadPlanner()
+        planner = planners[rep] = (SimulatedGroupLoadPlanner() if side.grouped
+                                   else DefaultLoadPlanner())
 
         def planner_step() -> Any:
             planner.set_up_planner(sds[rep], metadata, rep == 0)
@@ -414,7 +417,8 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
         for r in others:
             mine = grouped_plan(planners[rep].local, plan.planner_data.digest, r in firsts)
-            plans_of[r], _ = ledger.wire("gather", reader.prepare_local_plan(mine), 1, to_rank=False)
+            plans_of[r], _ = ledger.wire("gather", reader.prepare_local_plan(mine), 1,
+                                         to_rank=False)
     all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     central, t = cpu(lambda: planners[0].create_global_plan(all_plans))
     central, t2 = cpu(lambda: readers[0].prepare_global_plan(central))

@@ -133,8 +133,9 @@ def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
             dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                     planner=planner or TurboLoadPlanner(_load_group(process_group),
-                                                         allow_partial_load=not strict),
+                     planner=on_group(planner, _load_group(process_group))
+                     if planner is not None else TurboLoadPlanner(_load_group(process_group),
+                                           allow_partial_load=not strict),
                      no_dist=not dist.is_initialized())
 
     if tiers is None:

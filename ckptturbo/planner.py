@@ -1,18 +1,21 @@
-"""TurboSavePlanner: DCP's default save planner, with each distinct local plan sent once.
+"""ckptturbo's DCP planners: DCP's default ones, with each distinct local plan sent once.
 
 DCP gathers every rank's whole local plan on the coordinator, which then walks world x
 items entries, although most ranks' plans are copies of each other (every DDP rank; every
-replica of an HSDP shard group). This planner names its local plan by a digest and agrees
-with the other ranks, in one small gather and broadcast on the save's process group, which
-rank is the first with each digest: that rank sends its plan, the others an empty plan and
-the digest (``plan.digests.PlanDigest``). The coordinator plans the distinct plans once
-(DCP's dedup and metadata, over them only) and hands each rank back its own part; with
-``TurboWriter`` the byte ranges come from ``save_groups``, O(world + distinct x items).
+replica of an HSDP shard group). These planners name a local plan by a digest and agree
+with the other ranks, in one small gather and broadcast on the save's or load's process
+group, which rank is the first with each digest: that rank sends its plan, the others an
+empty plan and the digest (``plan.digests.PlanDigest``). The coordinator plans the
+distinct plans once (a save: DCP's dedup and metadata over them only) and hands each rank
+back its own part; with ``TurboWriter`` the byte ranges come from ``save_groups``,
+O(world + distinct x items); with ``TurboReader`` the read-once chains from the needs
+each distinct plan's first rank sent.
 
-A DCP planner: ``dcp.save`` takes it with any storage writer (another writer gets every
-item on the first rank of each group, written once). Without a ``process_group`` it
-plans exactly as ``DefaultSavePlanner`` does (no collective of its own): ``ct.save`` binds
-its save group to it.
+DCP planners: ``dcp.save``/``dcp.load`` take them with any storage writer or reader
+(another writer gets every item of a group on its first rank, written once; a load
+planner puts each rank's items back in ``finish_plan``). Without a ``process_group`` they
+plan exactly as DCP's defaults (no collective of their own): ``ct.save``/``ct.load`` bind
+their group to them.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ class TurboSavePlanner(DefaultSavePlanner):
             distinct.append(dataclasses.replace(first, planner_data=first.planner_data.mappings))
         planned, metadata = self._create_global_plan(distinct)
         out = list(all_plans)
-        for (digest, ranks), plan in zip(groups.items(), planned):
+        for (digest, ranks), plan in zip(groups.items(), planned, strict=True):
             out[ranks[0]] = dataclasses.replace(plan, planner_data=PlanDigest(digest, False))
         self.global_plan = out
         self.metadata = metadata
@@ -187,9 +190,10 @@ def grouped_plan(plan: Any, digest: str, sender: bool) -> Any:
 
 
 def on_group(planner: Any, group: Any) -> Any:
-    """The planner a ``ct.save`` on ``group`` runs: ckptturbo's own by default, and a
-    planner of ckptturbo's without a group bound to it (a copy: the caller's stays as it
-    is). Without a group (one process alone) every planner runs as given."""
+    """The planner a ``ct.save`` (or, given one, ``ct.load``) on ``group`` runs: ckptturbo's
+    own save planner by default, and a planner of ckptturbo's without a group bound to it
+    (a copy: the caller's stays as it is). Without a group (one process alone) every
+    planner runs as given."""
     if planner is None:
         return TurboSavePlanner(group)
     ours = isinstance(planner, (TurboSavePlanner, TurboLoadPlanner))

@@ -99,7 +99,7 @@ def assign_grouped(plans: list[SavePlan], *, balance: bool, chunk_size: int,
                 rows[rank].append((mine[keys[r.key]], r.start, r.end))
     flags = [b""] * len(members)
     if check_replicas:
-        for g, h in enumerate(held):
+        for g in range(len(members)):
             shared = [not table.is_object[i] and
                       (len(table.plans_of[i]) > 1 or len(members[g]) > 1)
                       for i in table.positions[g]]  # in position order

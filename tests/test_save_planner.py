@@ -9,8 +9,13 @@ import json
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner,
-                                          FileSystemReader, FileSystemWriter)
+from test_dcp_distributed import CHUNK, build_state, check_state, load_rank, save_rank
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -18,7 +23,6 @@ import ckptturbo as ct
 from ckptturbo.plan.digests import PlanDigest
 from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed
-from test_dcp_distributed import CHUNK, build_state, check_state, load_rank, save_rank
 
 
 def _ct_save(rank: int, world: int, url: str) -> None:

@@ -10,7 +10,8 @@ id) first and every tie is broken by rank number.
 - ``balance``: the balancing both use, with its bounds and their proofs;
 - ``spans``: byte-span maths of a load (which bytes of a stored box a read needs, which
   chunks those touch);
-- ``checks``: validation of the inputs, shared by both planners.
+- ``checks``: validation of the inputs, shared by both planners;
+- ``digests``: ranks with equal local plans, recognised by a digest (``PlanDigest``).
 """
 from .reads import ChainAssignment, ReadNeed, plan_reads
 from .spans import box_span, chunks_touched, numel, overlapping, row_major_strides
