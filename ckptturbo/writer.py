@@ -228,6 +228,9 @@ class TurboWriter(StorageWriter, AsyncStager):
             assignments = last[1]
             self.plan_cache_hits += 1
         else:
+            if last is not None:
+                log.info("%s: the last plan does not fit (%s); planning again", self.url,
+                         _why_replan(last[0], key))
             assignments = assign_grouped(plans, balance=self.balance, chunk_size=self.chunk_size,
                                          weights=self.weights,
                                          check_replicas=self.replica_check != "off",
@@ -311,6 +314,14 @@ class TurboWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Drop the host pool (a later save makes a new one); I/O threads are the session's."""
         self._pool = None
+
+
+def _why_replan(last: tuple, key: tuple) -> str:
+    """Why a cached plan does not fit a save: the world or some ranks' plans changed."""
+    if len(last) != len(key):
+        return f"the world changed from {len(last)} to {len(key)} ranks"
+    changed = sum(a != b for a, b in zip(last, key, strict=True))
+    return f"{changed} of {len(key)} ranks' local plans changed"
 
 
 def _indices(metadata: Metadata) -> Any:

@@ -150,3 +150,27 @@ def test_planners_and_writers_mix_and_make_the_same_checkpoint(tmp_path):
         assert ours[key][:5] == theirs[key][:5], key
     run_distributed(_load_everywhere, 4, root, timeout=240)
     run_distributed(_load_everywhere, 2, root, timeout=240)
+
+
+def _save_three_times(rank: int, world: int, root: str) -> list[int]:
+    """One writer, three saves: the same layout twice, then one more tensor."""
+    writer = ct.TurboWriter(f"{root}/a", chunk_size=16 << 10)
+    hits = []
+    for step, extra in enumerate((False, False, True)):
+        sd = _replicated(world)
+        if extra:
+            sd["new"] = torch.arange(10.0)
+        writer.reset(f"{root}/step-{step}")
+        dcp.save(sd, storage_writer=writer, planner=ct.TurboSavePlanner(dist.group.WORLD))
+        hits.append(writer.plan_cache_hits)
+    return hits
+
+
+def test_the_writer_reuses_a_grouped_plan_while_the_digests_stay(tmp_path):
+    root = str(tmp_path / "run")
+    hits = run_distributed(_save_three_times, 2, root, timeout=240)
+    assert hits[0] == [0, 1, 1]  # the coordinator planned the first and the third save
+    sd = {"new": torch.zeros(10), **{k: (torch.zeros_like(v) if isinstance(v, torch.Tensor)
+                                         else 0) for k, v in _replicated(1).items()}}
+    dcp.load(sd, storage_reader=ct.TurboReader(f"{root}/step-2"))
+    assert torch.equal(sd["new"], torch.arange(10.0)) and torch.equal(sd["w"], _replicated(1)["w"])
