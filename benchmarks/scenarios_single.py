@@ -249,7 +249,7 @@ def _stall_variant(rank: int, world: int, variant: str, size: int, workdir: str 
                     summary = handle.wait()
                     durable = now() - t
                     out[f"{phase}_summary_seconds"] = summary.seconds
-                    writer = next(iter(ct.default_session()._writers.values()))
+                    writer = next(iter(ct.default_session()._kept.values()))
                     out["pool_bytes"] = writer._pool.capacity if writer._pool is not None else 0
                 elif variant == "TurboWriter (sync)":
                     if phase == "first":

@@ -18,7 +18,7 @@ from . import __version__
 from .api import load as ct_load
 from .errors import FormatError, StorageError, names_preview
 from .layout import Location, Manifest
-from .store import Store
+from .runtime import default_runtime
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any]
     groups = shard_groups(manifest, tensors, max_shard_size)
     if not groups:
         raise FormatError(f"{ckpt} holds no tensors to export")
-    dest = Store(dest_url, storage_options)
+    dest = default_runtime().open_store(dest_url, storage_options)
     created = datetime.fromtimestamp(manifest.created, timezone.utc).isoformat(timespec="seconds")
     metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
                 "source": ckpt, "source_created": created}

@@ -18,11 +18,11 @@ import logging
 from dataclasses import dataclass
 
 from . import catalog
-from .chunk_index import index_for
 from .chunk_store import ChunkStore
 from .errors import IntegrityError, StorageError, names_preview
 from .integrity import chunk_problem
 from .layout import Location, Manifest, RunStore
+from .runtime import index_for
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 from . import catalog, replicas
 from .errors import UnsupportedStateError
-from .chunk_index import ChunkIndex, index_for
+from .chunk_index import ChunkIndex
 from .chunks import ChunkLayout, chunk_id, layout_chunks
 from .layout import RunStore, StoredPiece
+from .runtime import index_for
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
@@ -30,12 +30,10 @@ from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CkptTurboError, ReplicaMismatchError
 from .layout import Location, build_manifest
+from .runtime import Runtime, resolve
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
 from .upload import SaveStats, Upload, plan_entries, stage_state_dict
-
-if TYPE_CHECKING:
-    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +81,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         on_replica_mismatch: str = "warn",
         snapshot: bool = False,
         overwrite: bool = True,
-        session: Session | None = None,
+        session: Runtime | None = None,
     ) -> None:
         if replica_check not in replicas.MODES:
             raise ValueError("replica_check must be 'sample', 'full' or 'off'")
@@ -130,10 +128,16 @@ class TurboWriter(StorageWriter, AsyncStager):
         self._init_runtime()
 
     @property
+    def runtime(self) -> Runtime:
+        """The runtime whose I/O threads and caches this writer uses (the default one unless
+        given; an unpickled writer uses its process's default)."""
+        return resolve(self._session)
+
+    @property
     def location(self) -> Location:
         if self._location is None or self._location.url != self.url:
             self._location = Location(self.url, self.storage_options, self.store_url,
-                                      session=self._session)
+                                      session=self.runtime)
         return self._location
 
     def _ensure_pool(self, share: int) -> HostBufferPool:

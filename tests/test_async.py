@@ -71,7 +71,7 @@ def test_pool_smaller_than_state_stages_in_waves(tmp_path):
     handle = ct.save(sd, str(tmp_path / "run" / "a"), pool_bytes=2 << 20, chunk_size=1 << 20)
     summary = handle.wait(timeout=120)
     assert summary.bytes_staged >= 8 << 20  # plus the pickled "step"
-    writer = next(w for w in ct.default_session()._writers.values() if w.url.startswith(str(tmp_path)))
+    writer = next(w for w in ct.default_session()._kept.values() if w.url.startswith(str(tmp_path)))
     assert writer._pool.capacity == 2 << 20 and writer._pool.peak_in_use <= 2 << 20
     out = zeros(sd)
     ct.load(out, str(tmp_path / "run" / "a"))

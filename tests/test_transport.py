@@ -56,7 +56,7 @@ def test_transport_rule_covers_every_case(backend, transport, cuda_bytes, expect
 
 def test_bad_transport_and_verify_settings_are_refused_up_front(tmp_path):
     with pytest.raises(ValueError, match="transport"):
-        host_transport_group(None, "nccl-please")
+        host_transport_group(None, "nccl-please", keeper=ct.default_session())
     with pytest.raises(ValueError, match="transport"):
         transport_kind("nccl", "nccl-please", 1, 1)
     with pytest.raises(ValueError, match="transport"):
