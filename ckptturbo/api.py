@@ -1,5 +1,5 @@
-"""ct.save / ct.load / ct.load_state_dict / ct.delete / ct.exists / ct.list_checkpoints:
-the operations of ``ckptturbo.operations`` run on the process's default session. Their
+"""ct.save / ct.load / ct.load_state_dict / ct.delete / ct.exists / ct.list_checkpoints /
+ct.collect_garbage: the operations of ``ckptturbo.operations`` run on the process's default session. Their
 signatures and docstrings are the operations' own (written once, there)."""
 from __future__ import annotations
 
@@ -32,3 +32,4 @@ load_state_dict = _on_the_default_session(operations.load_state_dict)
 delete = _on_the_default_session(operations.delete)
 exists = _on_the_default_session(operations.exists)
 list_checkpoints = _on_the_default_session(operations.list_checkpoints)
+collect_garbage = _on_the_default_session(operations.collect_garbage)

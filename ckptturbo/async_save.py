@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 from .errors import SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
 from .runtime import Runtime, single_process
-from .staging import SaveHandle, SaveSummary
+from .results import SaveSummary
+from .staging import SaveHandle
 from .urls import url_key
 from .writer import TurboWriter
 
@@ -74,12 +75,9 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
             finally:  # before after_commit: once it resolves `local`, the next save sets its own
                 writer.on_staged = None
             stats = writer.last_stats
-            summary = SaveSummary(
-                url=url, bytes_total=stats.bytes_written + stats.bytes_reused,
-                bytes_staged=stats.bytes_staged, bytes_written=stats.bytes_written,
-                bytes_reused=stats.bytes_reused, chunks_written=stats.chunks_written,
-                chunks_reused=stats.chunks_reused,
-                seconds={"stage": stats.seconds_stage, "durable": time.monotonic() - started})
+            summary = SaveSummary.of(
+                url, stats, stats.bytes_written + stats.bytes_reused,
+                {"stage": stats.seconds_stage, "durable": time.monotonic() - started})
             staged()
             if after_commit is None:
                 handle.durable.set_result(summary)

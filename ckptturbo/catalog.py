@@ -52,11 +52,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from .chunk_store import ChunkStore
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
 from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
 from .runtime import Runtime, gc_turn, pending_saves, resolve, runtime_of, wait_for_saves
-from .store import TEMP_PREFIX, Store
+from .store import TEMP_PREFIX
 from .urls import url_key
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ LOCK_WAIT = 600.0
 LOCK_POLL = 0.5
 
 
-def _fresh(store: Store, path: str, now: float) -> bool:
+def _fresh(store: ChunkStore, path: str, now: float) -> bool:
     try:
         return marker_is_fresh(store.get(path), now)
     except CheckpointNotFound:

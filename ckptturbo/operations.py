@@ -30,7 +30,7 @@ from .tiered_save import save as tiered_save
 from .tree import unflatten
 
 if TYPE_CHECKING:
-    from .catalog import CheckpointInfo
+    from .catalog import CheckpointInfo, GcReport
     from .recovery import Recovered
     from .tiers import Tiers
 
@@ -180,6 +180,17 @@ def list_checkpoints(session: Runtime, run_url: Any, *,
         return tiered_catalog.list_tiered(str(run_url), storage_options, tiers, wait=wait,
                                           session=session)
     return catalog.list_checkpoints(str(run_url), storage_options, wait=wait, session=session)
+
+
+def collect_garbage(session: Runtime, run_url: Any, *,
+                    storage_options: dict[str, Any] | None = None, dry_run: bool = False,
+                    grace_seconds: float = 0.0) -> GcReport:
+    """Free the run's chunks that no committed checkpoint names (``ckptturbo gc``), and
+    those of self-contained checkpoints that their manifest does not name; returns a
+    ``GcReport``. Raises SaveInProgress while a save of the run holds its marker (a later
+    gc frees them), FormatError while a manifest of the run is unreadable."""
+    return catalog.collect_garbage(str(run_url), storage_options, dry_run=dry_run,
+                                   grace_seconds=grace_seconds, session=session)
 
 
 def _recover(session: Runtime, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,

@@ -44,6 +44,7 @@ class Session(runtime.Runtime):
     delete = _method(operations.delete)
     exists = _method(operations.exists)
     list_checkpoints = _method(operations.list_checkpoints)
+    collect_garbage = _method(operations.collect_garbage)
 
     def __enter__(self) -> Session:
         return self

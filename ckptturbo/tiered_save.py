@@ -41,8 +41,9 @@ from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
 from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
 from .peers import Nodes, Replicated
+from .results import SaveStats, SaveSummary
 from .runtime import Runtime, pending_saves
-from .staging import SaveHandle, SaveSummary
+from .staging import SaveHandle
 from .tiers import Tiers
 from .urls import split_checkpoint
 
@@ -267,8 +268,9 @@ def _persist(session: Runtime, url: str, memory: Location, manifest: Manifest, r
         durable, manifest, save_id, list(ranks.leaders.values())) if ranks.coordinator else None)
     done = [c for c in copied if c is not None]
     written = sum(c.bytes_written for c in done)
-    return SaveSummary(url=url, bytes_total=manifest.total_bytes, bytes_staged=local.bytes_staged,
-                       bytes_written=written, bytes_reused=manifest.unique_bytes - written,
-                       chunks_written=sum(c.chunks_written for c in done),
-                       chunks_reused=len(manifest.chunks) - sum(c.chunks_written for c in done),
-                       seconds={**local.seconds, "durable": time.monotonic() - started})
+    chunks = sum(c.chunks_written for c in done)
+    stats = SaveStats(bytes_staged=local.bytes_staged, bytes_written=written,
+                      bytes_reused=manifest.unique_bytes - written, chunks_written=chunks,
+                      chunks_reused=len(manifest.chunks) - chunks)
+    return SaveSummary.of(url, stats, manifest.total_bytes,
+                          {**local.seconds, "durable": time.monotonic() - started})

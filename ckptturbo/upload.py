@@ -11,13 +11,11 @@ Results: each entry's stored pieces (``save_plan.encode_results`` packs them) an
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -28,6 +26,7 @@ from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex
 from .chunks import ChunkLayout, chunk_id, layout_chunks
 from .layout import RunStore, StoredPiece
+from .results import SaveStats
 from .runtime import index_for
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
@@ -43,34 +42,6 @@ class Entry:
     pieces: list[StoredPiece] = field(default_factory=list)
     written: int = 0
     reused: int = 0
-
-
-@dataclass(frozen=True)
-class SaveStats(Mapping):
-    """What one rank's save did; also readable as a mapping (``stats["bytes_written"]``)."""
-
-    bytes_staged: int = 0
-    bytes_written: int = 0
-    bytes_reused: int = 0
-    chunks_written: int = 0
-    chunks_reused: int = 0
-    seconds_stage: float = 0.0
-    seconds_upload: float = 0.0  # from the start of staging to the last upload
-    seconds_write: float = 0.0  # all of write_data (set by the writer)
-
-    def __getitem__(self, key: str) -> float:
-        if key not in _STAT_NAMES:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_STAT_NAMES)
-
-    def __len__(self) -> int:
-        return len(_STAT_NAMES)
-
-
-_STAT_NAMES = tuple(f.name for f in dataclasses.fields(SaveStats))
 
 
 @dataclass(frozen=True)

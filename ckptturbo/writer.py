@@ -30,10 +30,11 @@ from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CkptTurboError, ReplicaMismatchError
 from .layout import Location, build_manifest
+from .results import SaveStats
 from .runtime import Runtime, resolve
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
-from .upload import SaveStats, Upload, plan_entries, stage_state_dict
+from .upload import Upload, plan_entries, stage_state_dict
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
-from ckptturbo.layout import OWN_STORE, RUN_STORE
-from ckptturbo.tree import SKELETON_KEY, flatten
+from ckptturbo.adapter_support import OWN_STORE, RUN_STORE, SKELETON_KEY, flatten
 
 from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
 

@@ -17,7 +17,7 @@ SKIPPED = ("ckptturbo.testing",)  # the tests' helpers: the library never import
 # module of a subpackage, its face (``__init__``) included.
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundations", ["errors", "retry", "urls", "chunks", "checkpoint_id", "tree", "failures",
-                     "agreement"]),
+                     "agreement", "results"]),
     ("storage", ["chunk_store", "store", "lease", "groups"]),
     ("format", ["layout"]),
     ("run I/O", ["chunk_index", "integrity", "chunk_source"]),
@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tiers", ["tiers", "peers", "persist", "eviction", "tiered_catalog", "recovery",
                "tiered_save"]),
     ("operations", ["operations"]),
-    ("api", ["session", "api"]),
+    ("api", ["session", "api", "adapter_support"]),
     ("entry points", ["cli", "export", "integrations", "integrations.*"]),
 ]
 # Package faces re-export their members: importing one is importing its layer, and the
