@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ckptturbo.broadcast import ChainBroadcaster, Transfer
+from ckptturbo.broadcast import ChainBroadcaster
+from ckptturbo.broadcast_schedule import Transfer
 from ckptturbo.testing.launcher import run_distributed
 
 from .measure import sync

@@ -37,7 +37,7 @@ import torch
 
 import ckptturbo as ct
 from ckptturbo import catalog
-from ckptturbo.layout import RunStore
+from ckptturbo.runs import RunStore
 from ckptturbo.testing import embedded_s3
 
 log = logging.getLogger("benchmarks.soak")

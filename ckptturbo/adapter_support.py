@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .agreement import gather
 from .failures import ckptturbo_errors
-from .layout import OWN_STORE, RUN_STORE
+from .paths import OWN_STORE, RUN_STORE
 from .tree import SKELETON_KEY, flatten
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from .errors import CkptTurboError, FormatError, MismatchError
-from .layout import ShardRecord
+from .manifest_records import ShardRecord
 from .plan import box_span, overlapping, row_major_strides
 from .staging import DeviceCopier
 

@@ -6,19 +6,16 @@ rank k-1. A chunk of S bytes then reaches L ranks in about S/bw + (L-1)*piece/bw
 of (L-1)*S/bw for the root sending to everyone, and every link carries each byte once.
 Many chains (one per chunk, different heads and orders) run at once to keep all links busy.
 
-Schedule (a pure function of the transfer list). Time is cut into *steps*. A transfer that starts at step ``s0`` sends piece ``i`` over hop
-``j`` (``chain[j] -> chain[j+1]``) at step ``s0 + i + j``: the receiver gets the piece in
-the step before it forwards it. Start steps are assigned greedily in tid order so that no
-rank ever holds more than ``max_inflight`` assembly buffers (see :func:`plan_schedule`).
-A rank needs only its own :class:`Part` of each transfer it belongs to (the step it sends
-piece 0, its predecessor and successor): :func:`schedule` computes every rank's parts once,
-on a coordinator, so no rank holds the schedule of the whole job (``run_parts``);
+The schedule (who sends which piece to whom, at which step) is ``broadcast_schedule``'s,
+a pure function of the transfer list: :func:`~ckptturbo.broadcast_schedule.schedule`
+computes every rank's parts once, on a coordinator (``run_parts``);
 :meth:`ChainBroadcaster.run` is the convenience for callers that have the full list on
-every rank (it extracts this rank's parts itself). Each rank loops over steps: post the step's sends and receives as one batch
-(``batch_isend_irecv``: one NCCL group, or independent gloo operations), then do local
-work while they fly (call sinks of finished transfers, pull the next pieces from sources),
-then wait for the batch. Sources are therefore read one piece ahead of the wire: piece 0 is
-on its way before the source has produced piece 1.
+every rank (it extracts this rank's parts itself). Each rank loops over steps: post the
+step's sends and receives as one batch (``batch_isend_irecv``: one NCCL group, or
+independent gloo operations), then do local work while they fly (call sinks of finished
+transfers, pull the next pieces from sources), then wait for the batch. Sources are
+therefore read one piece ahead of the wire: piece 0 is on its way before the source has
+produced piece 1.
 
 Deadlock freedom. (1) For every send posted at step s the peer posts the matching receive
 at the same step s, and every rank posts its operations in (step, tid) order, so each
@@ -64,18 +61,17 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from .broadcast_schedule import (LOCAL, NONE, Part, Transfer, needs_communication, npieces,
+                                 own_parts, plan_digest, validate, validate_parts)
 from .errors import CommunicationError, IntegrityError, PlanError
 
 logger = logging.getLogger(__name__)
@@ -88,212 +84,6 @@ Buffers = Callable[["Part"], "torch.Tensor | None"]
 """Where a receiving rank assembles a transfer (its destination), or None for a buffer of our own."""
 
 _TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One byte range to deliver from ``chain[0]`` to every other rank of ``chain``.
-
-    ``tid`` is unique and identical on every rank; it orders all processing. Ranks are
-    ranks within the broadcaster's process group.
-    """
-
-    tid: int
-    nbytes: int
-    chain: tuple[int, ...]
-
-
-def npieces(nbytes: int, piece_size: int) -> int:
-    """Number of ``piece_size`` pieces (the last one shorter) that carry ``nbytes``."""
-    return -(-nbytes // piece_size)
-
-
-def needs_communication(t: Transfer) -> bool:
-    """Whether a transfer moves bytes between ranks (else every member works alone)."""
-    return len(t.chain) > 1 and t.nbytes > 0
-
-
-def last_step(start: int, n: int, pos: int, length: int) -> int:
-    """Last step in which the member at ``pos`` of a chain of ``length`` has an operation.
-
-    The member receives piece i at ``start + pos - 1 + i`` and forwards it one step later,
-    except the tail, which only receives.
-    """
-    return start + n - 1 + pos - (1 if pos == length - 1 else 0)
-
-
-def alloc_step(start: int, pos: int) -> int:
-    """Step in which the member at ``pos`` allocates its buffer.
-
-    The head does so in the local phase of the step before it sends piece 0 (to prefill
-    it); the others just before posting their first receive.
-    """
-    return start - 1 if pos == 0 else start + pos - 1
-
-
-def _earliest_start(free_step: int, pos: int) -> int:
-    """First start step at which a member at ``pos`` may take a buffer slot.
-
-    The slot's previous buffer is handed to its sink, then dropped, in the local phase of
-    ``free_step``. The head allocates in a local phase after that phase's sinks, so step
-    ``free_step`` itself is fine; the others allocate before a step's local phase, so
-    they need the step after.
-    """
-    return free_step + 1 if pos == 0 else free_step + 2 - pos
-
-
-def plan_schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int) -> dict[int, int]:
-    """Start step of every transfer that communicates, keyed by tid.
-
-    Greedy in tid order: a transfer starts as soon as every member has a free buffer slot
-    (each rank has ``max_inflight``). Transfers with disjoint members overlap freely, so
-    independent chains run side by side. Pure and deterministic: all ranks agree.
-    """
-    slots: dict[int, list[int]] = {}  # rank -> min-heap of the free_step of each slot
-    starts: dict[int, int] = {}
-    for t in sorted(filter(needs_communication, transfers), key=lambda t: t.tid):
-        heaps = [slots.setdefault(r, [-1] * max_inflight) for r in t.chain]
-        start = max(0, *(_earliest_start(h[0], p) for p, h in enumerate(heaps)))
-        n = npieces(t.nbytes, piece_size)
-        for p, h in enumerate(heaps):
-            heapq.heapreplace(h, last_step(start, n, p, len(t.chain)) + 1)
-        starts[t.tid] = start
-    return starts
-
-
-class Part(NamedTuple):
-    """One rank's part in one transfer: everything it needs to take part, nothing more.
-
-    ``step`` is the step in which this member sends piece 0 (it receives piece ``i`` at
-    ``step - 1 + i``), or ``LOCAL`` for a transfer without communication; ``prev`` and
-    ``next`` are the ranks it receives from and forwards to (``NONE`` for the head and the
-    tail). Rows of :func:`schedule`'s arrays are these five numbers.
-    """
-
-    tid: int
-    nbytes: int
-    step: int
-    prev: int
-    next: int
-
-    @property
-    def is_head(self) -> bool:
-        return self.prev == NONE
-
-
-LOCAL = -1  # Part.step of a transfer that moves nothing between ranks
-NONE = -1  # Part.prev of a head, Part.next of a tail
-
-
-def schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int,
-             world_size: int) -> list[np.ndarray]:
-    """Every rank's parts, computed once (on a coordinator): for each rank an int64 array
-    of shape (n, 5) whose rows are its :class:`Part` fields, in tid order.
-
-    The schedule is :func:`plan_schedule`'s; the arrays are built column-wise, so the cost
-    beyond it is a sort of the job's chain members, not a Python object per member.
-    """
-    validate(transfers, world_size)
-    starts = plan_schedule(transfers, piece_size, max_inflight)
-    ordered = sorted(transfers, key=lambda t: t.tid)
-    lengths = np.fromiter((len(t.chain) for t in ordered), dtype=np.int64, count=len(ordered))
-    total = int(lengths.sum())
-    members = np.fromiter((r for t in ordered for r in t.chain), dtype=np.int64, count=total)
-    first = np.cumsum(lengths) - lengths  # index of each transfer's head in `members`
-    pos = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
-    start = np.fromiter((starts.get(t.tid, LOCAL) for t in ordered), dtype=np.int64,
-                        count=len(ordered))
-    start = np.repeat(start, lengths)
-    local = start == LOCAL
-    rows = np.empty((total, 5), dtype=np.int64)
-    rows[:, 0] = np.repeat(np.fromiter((t.tid for t in ordered), dtype=np.int64,
-                                       count=len(ordered)), lengths)
-    rows[:, 1] = np.repeat(np.fromiter((t.nbytes for t in ordered), dtype=np.int64,
-                                       count=len(ordered)), lengths)
-    rows[:, 2] = np.where(local, LOCAL, start + pos)
-    prev = np.empty(total, dtype=np.int64)
-    prev[1:] = members[:-1]
-    prev[pos == 0] = NONE
-    # the members of a local transfer only take an empty sink from its head
-    prev[local & (pos > 0)] = np.repeat(members[first], lengths)[local & (pos > 0)]
-    nxt = np.empty(total, dtype=np.int64)
-    nxt[:-1] = members[1:]
-    nxt[(pos == np.repeat(lengths, lengths) - 1) | local] = NONE
-    rows[:, 3], rows[:, 4] = prev, nxt
-    order = np.argsort(members, kind="stable")  # stable: tid order within a rank
-    counts = np.bincount(members, minlength=world_size)
-    return np.split(rows[order], np.cumsum(counts)[:-1])
-
-
-def parts_of(rows: np.ndarray) -> list[Part]:
-    """A rank's parts from its rows of :func:`schedule`."""
-    return [Part(*row) for row in rows.tolist()]
-
-
-def own_parts(transfers: Sequence[Transfer], rank: int, piece_size: int,
-              max_inflight: int) -> list[Part]:
-    """``rank``'s parts, from the whole transfer list (what :meth:`ChainBroadcaster.run`
-    does on every rank; a coordinator that plans for all ranks uses :func:`schedule`)."""
-    starts = plan_schedule(transfers, piece_size, max_inflight)
-    out = []
-    for t in sorted(transfers, key=lambda t: t.tid):
-        if rank not in t.chain:
-            continue
-        pos, chain = t.chain.index(rank), t.chain
-        prev = chain[pos - 1] if pos else NONE
-        if t.tid not in starts:
-            out.append(Part(t.tid, t.nbytes, LOCAL, chain[0] if pos else NONE, NONE))
-        else:
-            nxt = chain[pos + 1] if pos + 1 < len(chain) else NONE
-            out.append(Part(t.tid, t.nbytes, starts[t.tid] + pos, prev, nxt))
-    return out
-
-
-def source_order_of(parts: Sequence[Part]) -> list[int]:
-    """The tids a rank heads, in the order :meth:`ChainBroadcaster.run_parts` pulls their
-    sources: chains by start step (then tid), then transfers without communication by tid.
-    A prefetcher that reads in this order always has the next source's bytes coming first.
-    """
-    chained = sorted((p.step, p.tid) for p in parts if p.is_head and p.step != LOCAL)
-    local = sorted(p.tid for p in parts if p.is_head and p.step == LOCAL)
-    return [tid for _, tid in chained] + local
-
-
-def source_order(transfers: Sequence[Transfer], rank: int, piece_size: int,
-                 max_inflight: int) -> list[int]:
-    """:func:`source_order_of` the parts ``rank`` has in ``transfers``."""
-    return source_order_of(own_parts(transfers, rank, piece_size, max_inflight))
-
-
-def plan_digest(transfers: Sequence[Transfer]) -> int:
-    """A 56-bit digest of a whole transfer list (the same on every rank that has it)."""
-    plan = sorted((t.tid, t.nbytes, t.chain) for t in transfers)
-    return int.from_bytes(hashlib.blake2b(repr(plan).encode(), digest_size=7).digest(), "little")
-
-
-def validate(transfers: Sequence[Transfer], world_size: int) -> None:
-    """Reject a transfer list that no schedule can serve, before any rank communicates."""
-    seen: set[int] = set()
-    for t in transfers:
-        if t.tid in seen:
-            raise PlanError(f"transfer {t.tid}: duplicate tid")
-        seen.add(t.tid)
-        if t.nbytes < 0 or not t.chain:
-            raise PlanError(f"transfer {t.tid}: needs nbytes >= 0 and a non-empty chain, got {t}")
-        if len(set(t.chain)) != len(t.chain) or not all(0 <= r < world_size for r in t.chain):
-            raise PlanError(f"transfer {t.tid}: chain {t.chain} must list distinct ranks "
-                            f"of a group of {world_size}")
-
-
-def _validate_parts(parts: Sequence[Part], world_size: int) -> None:
-    """Reject parts no schedule produced (what a rank can check of its own share)."""
-    seen: set[int] = set()
-    for p in parts:
-        if p.tid in seen:
-            raise PlanError(f"transfer {p.tid}: this rank has two parts in it")
-        seen.add(p.tid)
-        if p.nbytes < 0 or not (NONE <= p.prev < world_size and NONE <= p.next < world_size):
-            raise PlanError(f"transfer {p.tid}: malformed part {tuple(p)} for a group of {world_size}")
 
 
 class _Op(NamedTuple):
@@ -444,7 +234,7 @@ class ChainBroadcaster:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self._device = torch.device("cuda", torch.cuda.current_device())
         rank, world = self._rank_and_world()
-        _validate_parts(parts, world)
+        validate_parts(parts, world)
         self.stats = dict.fromkeys(("bytes_sent", "bytes_received", "pieces_sent",
                                     "pieces_received", "transfers", "steps"), 0)
         self.stats["transfers"] = len(parts)

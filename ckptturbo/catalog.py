@@ -54,8 +54,10 @@ from typing import Any, Iterable, Iterator
 
 from .chunk_store import ChunkStore
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
-from .layout import CONTROL_DIR, OWN_STORE, Location, Manifest, RunStore
 from .lease import Heartbeat, marker_is_fresh, pending_lease
+from .manifest import Manifest
+from .paths import CONTROL_DIR, OWN_STORE
+from .runs import Location, RunStore
 from .runtime import Runtime, gc_turn, pending_saves, resolve, runtime_of, wait_for_saves
 from .store import TEMP_PREFIX
 from .urls import url_key

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .layout import RunStore
+from .runs import RunStore
 
 log = logging.getLogger(__name__)
 

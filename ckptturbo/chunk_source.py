@@ -14,7 +14,9 @@ import torch
 
 from .errors import CheckpointNotFound, IntegrityError, ShortReadError
 from .integrity import damaged_chunk, verify_chunk
-from .layout import READS_OF_A_DAMAGED_OBJECT, Location, Manifest
+from .manifest import Manifest
+from .paths import READS_OF_A_DAMAGED_OBJECT
+from .runs import Location
 
 log = logging.getLogger(__name__)
 

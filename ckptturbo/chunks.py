@@ -6,7 +6,8 @@ shards are cut at multiples of ``chunk_size`` from the shard's start, so whoever
 range of a replicated tensor produces exactly the chunks anyone else would have. Small
 pieces are packed together into one chunk, because an object store charges a round trip
 per object and a model has thousands of small tensors. Where chunks live in storage (the
-fan-out) and how manifests name their bytes is the storage contract, in ``layout``.
+fan-out) and how manifests name their bytes is the storage contract, in ``paths`` and
+``manifest``.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A checkpoint in the chunk store is not a directory of files a person can read, so every
 question an operator has ("what is in it", "is it intact", "what can I free", "give me a
 file my other tool reads") needs a command. Each subcommand is a thin layer over the
-library (``catalog``, ``layout``, ``api``) so the CLI never knows more about the storage
+library (``catalog``, ``runs``, ``manifest``, ``api``) so the CLI never knows more about the storage
 format than the library does.
 
 Exit codes: 0 success, 1 ``verify`` found missing or corrupt chunks, 2 any other error
@@ -24,7 +24,9 @@ from . import __version__
 from .catalog import CheckpointInfo, collect_garbage, delete_checkpoint, list_checkpoints
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, StorageError, names_preview
 from .integrity import chunk_users, item_chunks, stored_chunk_problem
-from .layout import CONTROL_DIR, MANIFEST_NAME, Location, Manifest
+from .manifest import Manifest
+from .paths import CONTROL_DIR, MANIFEST_NAME
+from .runs import Location
 from .runtime import default_runtime
 from .tiered_catalog import list_tiered
 from .tiers import Tiers

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from . import catalog
 from .errors import CkptTurboError, FormatError
-from .layout import RunStore
+from .runs import RunStore
 from .runtime import Runtime, resolve
 from .store import TEMP_PREFIX
 

@@ -17,7 +17,8 @@ import torch
 from . import __version__
 from .api import load as ct_load
 from .errors import FormatError, StorageError, names_preview
-from .layout import Location, Manifest
+from .manifest import Manifest
+from .runs import Location
 from .runtime import default_runtime
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,9 @@ from collections import defaultdict
 
 from .chunks import chunk_id
 from .errors import CheckpointNotFound, IntegrityError, names_preview
-from .layout import ItemRecord, Location, Manifest
+from .manifest import Manifest
+from .manifest_records import ItemRecord
+from .runs import Location
 
 
 

@@ -20,11 +20,11 @@ import time
 from typing import Any
 
 from .errors import CkptTurboError, FormatError
+from .paths import CONTROL_VERSION
 from .store import Store
 
 log = logging.getLogger(__name__)
 
-CONTROL_VERSION = 1
 MARKER_TTL = 6 * 3600.0
 LEASE_ENV = "CKPTTURBO_PENDING_LEASE"
 DEFAULT_LEASE = 300.0

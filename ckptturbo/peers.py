@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .agreement import agree, gather
 from .chunks import chunk_id
 from .errors import CommunicationError, IntegrityError, StorageError
-from .layout import RunStore
+from .runs import RunStore
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from . import catalog
 from .chunk_store import ChunkStore
 from .errors import IntegrityError, StorageError, names_preview
 from .integrity import chunk_problem
-from .layout import Location, Manifest, RunStore
+from .manifest import Manifest
 from .results import SaveStats
+from .runs import Location, RunStore
 from .runtime import index_for
 
 log = logging.getLogger(__name__)

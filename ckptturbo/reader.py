@@ -29,13 +29,15 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
 from .checkpoint_id import servable
 from .chunk_source import ChunkSource
-from .broadcast import Part, Transfer, needs_communication, schedule
+from .broadcast_schedule import Part, Transfer, needs_communication, schedule
 from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
-from .layout import Location, Manifest, ShardRecord
+from .manifest import Manifest
+from .manifest_records import ShardRecord
 from .plan import ReadNeed, chunks_touched, plan_reads
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
+from .runs import Location
 from .runtime import Runtime, resolve, wait_for_saves
 from .staging import DeviceCopier, as_uint8
 
@@ -54,7 +56,7 @@ class ReadChains(NamedTuple):
     """One rank's part of the coordinator's read plan: only what this rank does.
 
     ``parts`` holds int32 rows (chunk ordinal, step, predecessor, successor) of
-    :class:`~ckptturbo.broadcast.Part` (sizes come from the manifest), for the chunks this
+    :class:`~ckptturbo.broadcast_schedule.Part` (sizes come from the manifest), for the chunks this
     rank reads from storage (it heads their chain) or receives; ``plan_id`` is the same on
     every rank of the load; ``items_as_sent``: the plan's items were left out because the
     rank already has them (its local plan, unchanged by the planner)."""

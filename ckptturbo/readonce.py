@@ -15,7 +15,7 @@ unit from storage (``fetch``, which also verifies what it read) and what to do w
 delivered one (``deliver``). The engine, in one background thread per rank, runs the
 broadcaster batch by batch; each head reads its units through the one
 :class:`~ckptturbo.prefetch.Prefetcher`, in the order the broadcaster will send them
-(:func:`~ckptturbo.broadcast.source_order_of`), ``streams`` at a time within ``budget``.
+(:func:`~ckptturbo.broadcast_schedule.source_order_of`), ``streams`` at a time within ``budget``.
 
 Units travel in buffers on ``settings.device``: host memory (gloo), or CUDA memory over
 NCCL, in which case a head copies what it read to the device through the pinned ring of
@@ -56,8 +56,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .broadcast import (ChainBroadcaster, Part, Transfer, needs_communication, own_parts, plan_digest,
-                        source_order_of)
+from .broadcast import ChainBroadcaster
+from .broadcast_schedule import (Part, Transfer, needs_communication, own_parts, plan_digest,
+                                 source_order_of)
 from .errors import CkptTurboError
 from .plan import ChainAssignment
 from .prefetch import MemoryBudget, Prefetcher, Read

@@ -34,9 +34,11 @@ from .agreement import agree, gather
 from .chunk_source import ChunkSource
 from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, Location, Manifest
+from .manifest import Manifest
+from .paths import MANIFEST_NAME
 from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader
+from .runs import Location
 from .runtime import wait_for_saves
 from .tiers import Tiers
 from .urls import split_checkpoint

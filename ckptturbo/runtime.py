@@ -39,7 +39,7 @@ from .store import Store
 from .urls import covers, url_key
 
 if TYPE_CHECKING:
-    from .layout import RunStore
+    from .runs import RunStore
 
 log = logging.getLogger(__name__)
 

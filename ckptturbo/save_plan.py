@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from .chunks import chunk_id
 from .errors import CkptTurboError
-from .layout import ShardPart, StoredPiece
+from .manifest import ShardPart
+from .manifest_records import StoredPiece
 from .plan import PlanItem, plan_writes
 
 WHOLE = -1  # Assignment row end: the whole object (a BYTE_IO item, written as DCP serialises it)

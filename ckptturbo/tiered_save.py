@@ -39,9 +39,11 @@ from .agreement import agree
 from .async_save import run_save
 from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
-from .layout import MANIFEST_NAME, RUN_STORE, Location, Manifest
+from .manifest import Manifest
+from .paths import MANIFEST_NAME, RUN_STORE
 from .peers import Nodes, Replicated
 from .results import SaveStats, SaveSummary
+from .runs import Location
 from .runtime import Runtime, pending_saves
 from .staging import SaveHandle
 from .tiers import Tiers

@@ -25,8 +25,9 @@ from . import catalog, replicas
 from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex
 from .chunks import ChunkLayout, chunk_id, layout_chunks
-from .layout import RunStore, StoredPiece
+from .manifest_records import StoredPiece
 from .results import SaveStats
+from .runs import RunStore
 from .runtime import index_for
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 

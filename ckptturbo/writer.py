@@ -4,7 +4,7 @@ A thin adapter: each DCP protocol method hands over to the module that does the 
 ``prepare_local_plan`` / ``prepare_global_plan``: who writes which byte ranges
 (``save_plan``, pure, no storage request). ``write_data``: stage, announce, hash, dedup,
 upload (``upload``). ``finish``: check replicas (``replicas``), build the manifest
-(``layout.build_manifest``, pure), write it (the commit) and clear the save's markers.
+(``manifest.build_manifest``, pure), write it (the commit) and clear the save's markers.
 ``stage`` (dcp.async_save): copy the state into the host pool (``upload``).
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from . import catalog, replicas, save_plan
 from .checkpoint_id import servable
 from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CkptTurboError, ReplicaMismatchError
-from .layout import Location, build_manifest
+from .manifest import build_manifest
 from .results import SaveStats
+from .runs import Location
 from .runtime import Runtime, resolve
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
 from ckptturbo import catalog, cli, lease, runtime
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 from ckptturbo.store import Store
 from ckptturbo.testing.launcher import run_distributed
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import ckptturbo as ct
 from ckptturbo.catalog import list_checkpoints
 from ckptturbo.cli import main, parse_size
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

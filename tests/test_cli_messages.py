@@ -17,7 +17,7 @@ import torch
 
 import ckptturbo as ct
 from ckptturbo.cli import main
-from ckptturbo.layout import DTYPE_ITEMSIZES
+from ckptturbo.manifest_records import DTYPE_ITEMSIZES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def test_commands_that_need_no_tensors_do_not_import_torch(run, argv):
     done = run_cli(*[a.format(run=run) for a in argv])
     assert done.returncode == 0, done.stderr[-2000:]
     modules = imported(done)
-    assert "ckptturbo" in modules and ("ckptturbo.layout" in modules or argv == ["--version"])
+    assert "ckptturbo" in modules and ("ckptturbo.manifest" in modules or argv == ["--version"])
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
     if argv[0] == "inspect":
         assert "bfloat16" in done.stdout and "2x3" in done.stdout
@@ -234,7 +234,7 @@ def test_bench_calibrate_on_a_directory_or_a_tiny_file(tmp_path, capsys, monkeyp
 # --- noise ---------------------------------------------------------------------------------
 
 def _chunk_file(url: str) -> str:
-    from ckptturbo.layout import Location
+    from ckptturbo.runs import Location
 
     loc = Location(url)
     manifest = loc.read_manifest()

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import ckptturbo as ct
 from ckptturbo import cli
 from ckptturbo.integrity import chunk_users
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed
 
 DAMAGES = ("flip", "truncate", "delete")

@@ -31,8 +31,8 @@ import torch
 import ckptturbo as ct
 from ckptturbo import catalog
 from ckptturbo.errors import SaveInProgress
-from ckptturbo.layout import Location, RunStore
 from ckptturbo.lease import LEASE_ENV
+from ckptturbo.runs import Location, RunStore
 
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
 from save_loop import state_of  # noqa: E402

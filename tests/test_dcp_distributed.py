@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptturbo as ct
 from ckptturbo.catalog import list_checkpoints
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed
 
 CHUNK = 256 << 10

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptturbo as ct
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 
 
 def make_state(seed: int = 0) -> dict:

@@ -21,7 +21,7 @@ pyarrow_fs = pytest.importorskip("pyarrow.fs")
 import fsspec  # noqa: E402
 
 from ckptturbo.integrations import ray_train as rt  # noqa: E402
-from ckptturbo.layout import Manifest  # noqa: E402
+from ckptturbo.manifest import Manifest  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS, EVERY, KEEP = 10, 2, 2

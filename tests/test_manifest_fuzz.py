@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptturbo as ct
-from ckptturbo.layout import Manifest
+from ckptturbo.manifest import Manifest
 
 EXAMPLES = 10_000 if os.environ.get("CKPTTURBO_SOAK") else 400
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import ckptturbo as ct
-from ckptturbo.layout import FORMAT_VERSION, Location, Manifest
+from ckptturbo.manifest import Manifest
+from ckptturbo.manifest_codec import FORMAT_VERSION
+from ckptturbo.runs import Location
 
 V2_RUN = Path(__file__).parent / "data" / "manifest-v2" / "run"
 

@@ -8,7 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo.broadcast import ChainBroadcaster, Transfer, source_order
+from ckptturbo.broadcast import ChainBroadcaster
+from ckptturbo.broadcast_schedule import Transfer, source_order
 from ckptturbo.prefetch import MemoryBudget, Prefetcher, Read
 from ckptturbo.testing.launcher import run_distributed
 

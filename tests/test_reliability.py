@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptturbo as ct
-from ckptturbo.layout import Location
+from ckptturbo.runs import Location
 from ckptturbo.store import Store
 
 MiB = 1 << 20

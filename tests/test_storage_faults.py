@@ -126,7 +126,7 @@ def test_manifest_corrupted_once_in_transit_is_read_again(s3_server):
 def test_manifest_is_read_in_one_bounded_request(s3_server, monkeypatch):
     """One GET per manifest read, no HEAD first; a manifest over the limit, or an empty
     one, is refused as FormatError naming it, not read whole or taken for a storage error."""
-    from ckptturbo import layout
+    from ckptturbo import runs
     from ckptturbo.store import Store
 
     run = s3_server.url("manifest-reads")
@@ -140,7 +140,7 @@ def test_manifest_is_read_in_one_bounded_request(s3_server, monkeypatch):
     _load(sd, f"{run}/step-1", s3_server.storage_options)
     assert [m for m, url in requests if "manifest.json" in url] == ["GET"]
     size = len(store.get(store.join(store.root, "step-1", "manifest.json")))
-    monkeypatch.setattr(layout, "MAX_MANIFEST_BYTES", size - 1)
+    monkeypatch.setattr(runs, "MAX_MANIFEST_BYTES", size - 1)
     with pytest.raises(ct.FormatError, match=f"step-1/manifest.json is over {size - 1} bytes"):
         _load(sd, f"{run}/step-1", s3_server.storage_options)
     monkeypatch.undo()

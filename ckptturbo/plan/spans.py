@@ -11,7 +11,7 @@ from typing import Iterable, Protocol, Sequence, TypeVar
 
 
 class Piece(Protocol):
-    """What span maths needs of a stored piece (``layout.StoredPiece`` is one)."""
+    """What span maths needs of a stored piece (``manifest_records.StoredPiece`` is one)."""
 
     chunk: str
     start: int

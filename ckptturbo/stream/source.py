@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import fsspec
 
 from ..errors import CheckpointKindError, CheckpointNotFound, FormatError
-from ..layout import MANIFEST_NAME
+from ..paths import MANIFEST_NAME
 from ..prefetch import Read
 from ..runtime import default_runtime
 from ..store import ObjectInfo, Store, all_results
