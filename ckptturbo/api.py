@@ -1,6 +1,7 @@
 """ct.save / ct.load / ct.load_state_dict / ct.delete / ct.exists / ct.list_checkpoints /
-ct.collect_garbage: the operations of ``ckptturbo.operations`` run on the process's default session. Their
-signatures and docstrings are the operations' own (written once, there)."""
+ct.collect_garbage: the operations of ``ckptturbo.operations`` run on the process's
+default session. Their signatures and docstrings are the operations' own (written once,
+there)."""
 from __future__ import annotations
 
 import functools
