@@ -93,7 +93,7 @@ class Runtime:
         self._beats: dict[str, Any] = {}
         self._flights: list[_Flight] = []
         self._save_counts: collections.Counter[tuple] = collections.Counter()
-        self._latest: dict[str, Handle] = {}
+        self._latest: dict[str, Any] = {}
         self._parked: dict[str, Any] = {}
         self._parked_lock = threading.Lock()  # not _lock: making one may do I/O
         _open_runtimes.add(self)
@@ -164,7 +164,7 @@ class Runtime:
             self._save_counts[key] += 1
             return self._save_counts[key]
 
-    def latest(self, run: str) -> Handle | None:
+    def latest(self, run: str) -> Any | None:
         """The latest tiered save of ``run`` this runtime started (see :meth:`started`)."""
         with self._lock:
             return self._latest.get(run)
@@ -364,9 +364,10 @@ _turns_guard = threading.Lock()
 @contextlib.contextmanager
 def gc_turn(lock_url: str) -> Iterator[None]:
     """This process's gcs of one store (named by its gc lock's URL) take turns; the turn
-    is forgotten when no gc holds or waits for it."""
+    is re-entrant (a gc may look at the store in the turn it then locks it in), and
+    forgotten when no gc holds or waits for it."""
     with _turns_guard:
-        turn = _turns.setdefault(lock_url, [threading.Lock(), 0])
+        turn = _turns.setdefault(lock_url, [threading.RLock(), 0])
         turn[1] += 1
     try:
         with turn[0]:
