@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch>=2.9
 # everything installed after torch keeps that torch (vLLM's CPU build would replace it)
 KEEP_TORCH := -c $(VENV)/keep-torch.txt
 
-.PHONY: demo test test-gpu bench soak clean
+.PHONY: demo test lint test-gpu bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.serving
 	$(PY) -m pytest -q -rfEs tests
+
+# style (ruff), types (mypy on ckptturbo/ and integrations/), then the import contract; the
+# rules live in pyproject.toml. It needs the venv of the tests: mypy checks the adapters
+# against the frameworks they run with. IMPORT_CONTRACT: the command that checks the layers'
+# import contract (docs/architecture.md: the layers, as tests/test_architecture.py checks them).
+IMPORT_CONTRACT ?= $(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
+lint: $(VENV)/.serving
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(IMPORT_CONTRACT)
 
 # on a machine with CUDA: the GPU-only tests (CUDA staging, pinned copies, NCCL)
 test-gpu: $(VENV)/.installed

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import operations
 from .session import default_session
-
 
 
 def _on_the_default_session(operation: Callable[..., Any]) -> Callable[..., Any]:

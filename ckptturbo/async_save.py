@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .errors import SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
-from .runtime import Runtime, single_process
 from .results import SaveSummary
+from .runtime import Runtime, single_process
 from .staging import SaveHandle
 from .urls import url_key
 from .writer import TurboWriter

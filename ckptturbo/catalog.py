@@ -312,14 +312,22 @@ def collect_checkpoint(location: Location, *, dry_run: bool = False,
                        grace_seconds: float = 0.0) -> GcReport:
     """Delete the chunks of a self-contained checkpoint's own store that its manifest does
     not name: what a save that replaced it, or a failed save to it, left behind. The
-    manifest is read under the store's gc lock, so a save committed meanwhile is seen."""
-    with _gc_lock(location.run, dry_run):
-        try:
-            manifest = location.read_manifest()
-            referenced = set(manifest.chunks) if manifest.chunk_store == OWN_STORE else set()
-        except CheckpointNotFound:  # deleted meanwhile: its store is garbage
-            referenced = set()
-        return _sweep(location.run, referenced, dry_run, grace_seconds)
+    manifest is read under the store's gc lock, so a save committed meanwhile is seen.
+
+    A store a delete removed since the run's gc listed the checkpoint stays removed: its
+    lock would write the directory back. The check and the lock come in this process's
+    turn for the store, the turn a delete drops it in."""
+    run = location.run
+    with gc_turn(run.store.url_of(run.gc_lock)):
+        if not run.store.list_files(run.control_dir):
+            return GcReport(0, 0, 0, 0, dry_run)
+        with _gc_lock(run, dry_run):
+            try:
+                manifest = location.read_manifest()
+                referenced = set(manifest.chunks) if manifest.chunk_store == OWN_STORE else set()
+            except CheckpointNotFound:  # deleted meanwhile: its store is garbage
+                referenced = set()
+            return _sweep(run, referenced, dry_run, grace_seconds)
 
 
 def sweep_replaced(location: Location) -> None:

@@ -12,8 +12,8 @@ fan-out) and how manifests name their bytes is the storage contract, in ``paths`
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import blake3
 

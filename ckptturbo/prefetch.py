@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import CkptTurboError
 
@@ -112,13 +113,16 @@ class Prefetcher:
     ``lookahead=None`` issues reads as far ahead as the budget allows. ``deliver``, when
     given, runs on the I/O thread with each read's bytes before the read counts as filled,
     and what it returns is what the read keeps (the streamer copies the bytes into their
-    destination tensors there and keeps nothing).
+    destination tensors there and keeps nothing). ``fetch`` returns a read's ``size`` bytes
+    in whatever form its consumer or ``deliver`` takes (a buffer, a device load's pinned
+    landing tensor, the streamer's part bodies), hence typed ``Any``.
     """
 
-    def __init__(self, reads: list[Read], fetch: Callable[[Read], bytes],
+    def __init__(self, reads: list[Read], fetch: Callable[[Read], Any],
                  submit: Callable[..., Future], budget: MemoryBudget, *,
                  streams: int, lookahead: int | None,
-                 deliver: Callable[[Read, bytes | bytearray | memoryview], Any] | None = None) -> None:
+                 deliver: Callable[[Read, bytes | bytearray | memoryview], Any] | None = None,
+                 ) -> None:
         self.reads = reads
         self._fetch = fetch
         self._submit = submit

@@ -35,7 +35,7 @@ def fingerprint(flat: torch.Tensor, mode: str) -> int:
         mid = n // 2
         data = torch.cat([flat[:SAMPLE_BYTES], flat[mid:mid + SAMPLE_BYTES],
                           flat[-SAMPLE_BYTES:]]).cpu()
-    return int(chunk_id(data.numpy())[:16], 16) - (1 << 63)
+    return int(chunk_id(data.numpy().data)[:16], 16) - (1 << 63)
 
 
 def item_key(index: MetadataIndex) -> int:

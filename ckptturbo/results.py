@@ -8,9 +8,8 @@ counts by :meth:`SaveSummary.of` and nowhere else.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 @dataclass(frozen=True)

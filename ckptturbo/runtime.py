@@ -29,12 +29,13 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from . import store
 from .chunk_index import ChunkIndex
 from .retry import seconds_setting
-from . import store
 from .store import Store
 from .urls import covers, url_key
 

@@ -9,7 +9,8 @@ the operation of ``ckptturbo.operations`` that bears its name, run on this sessi
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import operations, runtime
 

@@ -6,6 +6,7 @@
   with ``ct.load_state_dict``.
 * ``remove`` / ``collect_garbage``: drop a checkpoint and free the chunks no kept one uses.
 * ``ckptturbo_errors``: around an adapter's public method, lets only ckptturbo's errors out.
+* ``chunk_store`` / ``shared_store`` / ``tiered_store``: the adapters' one ``store=`` option.
 """
 from __future__ import annotations
 
@@ -21,12 +22,40 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
-from ckptturbo import catalog
-from ckptturbo.agreement import gather
-from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
-from ckptturbo.tree import flatten
+from ckptturbo.adapter_support import (
+    OWN_STORE,
+    RUN_STORE,
+    ckptturbo_errors,  # noqa: F401 - the adapters' one error wrapper
+    flatten,
+    gather,
+)
 
 log = logging.getLogger(__name__)
+
+
+# ``store=`` of the adapters, as the core's ``TurboWriter(store=...)`` names it
+STORES = {"checkpoint": OWN_STORE, "run": RUN_STORE}
+
+
+def chunk_store(store: str) -> str:
+    """The core's ``store=`` for an adapter's: "checkpoint" (each checkpoint holds its own
+    chunks), "run" (the checkpoints of a directory share one store), or a URL."""
+    return STORES.get(store, store)
+
+
+def shared_store(store: str) -> bool:
+    """Whether checkpoints share a chunk store, freed by gc, rather than each holding its own."""
+    return chunk_store(store) != OWN_STORE
+
+
+def tiered_store(store: str | None, tiers: ct.Tiers | None) -> str:
+    """The adapter's ``store``: by default "checkpoint", or "run" with tiers, which keep the
+    chunks of a directory in one store per tier (replication and persists copy between them)."""
+    if tiers is not None and store not in (None, "run"):
+        raise ct.CkptTurboError(f"tiers= keeps the chunks of a directory in one store per tier: "
+                                f"store={store!r} cannot be combined with it (leave store out, "
+                                "or pass \"run\")")
+    return store or ("run" if tiers is not None else "checkpoint")
 
 
 def _flat_planner() -> DefaultSavePlanner:
@@ -84,12 +113,10 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     session: ct.Session | None = None) -> bool:
-    """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
-
-    With ``list_checkpoints``, the only places adapters reach the catalog.
-    """
+    """Free the run's chunks that no kept checkpoint names (``ct.collect_garbage`` on
+    ``session``); False if a save was in progress (a later pass frees them)."""
     try:
-        catalog.collect_garbage(str(run_url), storage_options, session=session)
+        _session(session).collect_garbage(str(run_url), storage_options=storage_options)
     except ct.SaveInProgress as exc:
         log.info("gc of %s postponed: %s", run_url, exc)
         return False

@@ -26,26 +26,20 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
-from ckptturbo.adapter_support import OWN_STORE, RUN_STORE, SKELETON_KEY, flatten
+from ckptturbo.adapter_support import SKELETON_KEY, flatten
 
-from ._core import DeferredGC, ckptturbo_errors, remove, run_of, save_tree
+from ._core import (
+    DeferredGC,
+    chunk_store,
+    ckptturbo_errors,
+    remove,
+    run_of,
+    save_tree,
+    shared_store,
+    tiered_store,
+)
 
 log = logging.getLogger(__name__)
-
-# ``store=`` of the adapters, as the core's ``TurboWriter(store=...)`` names it
-STORES = {"checkpoint": OWN_STORE, "run": RUN_STORE}
-
-
-def _chunk_store(store: str) -> str:
-    """The core's ``store=`` for an adapter's: "checkpoint" (each checkpoint holds its own
-    chunks), "run" (the checkpoints of a dirpath share one store), or a URL."""
-    return STORES.get(store, store)
-
-
-def _shared(store: str) -> bool:
-    """Whether checkpoints share a chunk store, freed by gc, rather than each holding its own."""
-    return _chunk_store(store) != OWN_STORE
-
 
 class TurboCheckpointIO(TorchCheckpointIO):
     """CheckpointIO writing ckptturbo checkpoints to a local path or any fsspec URL (``s3://``).
@@ -85,7 +79,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
         super().__init__()
         self.storage_options = storage_options
         self.grouped_load = grouped_load
-        self.store = _tiered_store(store, tiers)
+        self.store = tiered_store(store, tiers)
         self.gc = gc
         self.tiers = tiers
         self.writer_options = writer_options
@@ -121,7 +115,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
             reserved = _reserve(url)
             handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
                                collective=False, session=self.session,
-                               store=_chunk_store(self.store), tiers=self.tiers,
+                               store=chunk_store(self.store), tiers=self.tiers,
                                **self.writer_options)
             if reserved:
                 handle.durable.add_done_callback(lambda done: _unreserve_failed(done, url))
@@ -171,7 +165,7 @@ class TurboCheckpointIO(TorchCheckpointIO):
                 return
             remove(url, self.storage_options, session=self.session,  # an empty directory goes too
                    tiers=self.tiers)
-            if self.gc and _shared(self.store):
+            if self.gc and shared_store(self.store):
                 assert self._gc is not None
                 self._gc.schedule(run_of(url), self._handles)
 
@@ -236,16 +230,6 @@ def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any
     return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=weights_only, **kwargs)
 
 
-def _tiered_store(store: str | None, tiers: ct.Tiers | None) -> str:
-    """The adapter's ``store``: by default "checkpoint", or "run" with tiers, which keep the
-    chunks of a dirpath in one store per tier (replication and persists copy between them)."""
-    if tiers is not None and store not in (None, "run"):
-        raise ct.CkptTurboError(f"tiers= keeps the chunks of a dirpath in one store per tier: "
-                                f"store={store!r} cannot be combined with it (leave store out, "
-                                "or pass \"run\")")
-    return store or ("run" if tiers is not None else "checkpoint")
-
-
 def _is_local(url: str) -> bool:
     return fsspec.utils.get_protocol(url) in ("file", "local")
 
@@ -300,13 +284,17 @@ class _TurboShardedCheckpoints:
                 raise handle.durable.exception()
         opts = {**(self.turbo_storage_options or {}), **dict(storage_options or {})} or None
         handle = save_tree(checkpoint, url, storage_options=opts, collective=True,
-                           store=_chunk_store(self.turbo_store), tiers=self.turbo_tiers)
+                           store=chunk_store(self.turbo_store), tiers=self.turbo_tiers)
         handles.append(handle)
         handle.staged.result()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         url = str(self.broadcast(str(checkpoint_path)))
         for handle in self._turbo_handles():
@@ -332,7 +320,7 @@ class _TurboShardedCheckpoints:
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             remove(str(filepath), self.turbo_storage_options, tiers=self.turbo_tiers)
-            if not _shared(self.turbo_store):
+            if not shared_store(self.turbo_store):
                 return  # its chunks went with it
             if not hasattr(self, "_turbo_gc"):
                 self._turbo_gc = DeferredGC(self.turbo_storage_options)
@@ -361,7 +349,7 @@ def _strategy(base: type) -> type:
                      **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.turbo_storage_options = turbo_storage_options
-            self.turbo_store = _tiered_store(turbo_store, turbo_tiers)
+            self.turbo_store = tiered_store(turbo_store, turbo_tiers)
             self.turbo_tiers = turbo_tiers
 
     Turbo.__name__ = Turbo.__qualname__ = f"Turbo{base.__name__}"

@@ -22,9 +22,16 @@ loads it (read once across ranks) and lays it out as the Trainer's own files in 
 temporary directory, then resumes through the Trainer's unchanged code path: same model,
 optimizer, scheduler, RNG, ``global_step`` and data position.
 
-Only ckptturbo errors (``CkptTurboError``, the original as ``__cause__``) leave the
-callback's hooks and the mixin's methods, except the user's own code's errors raised
+Where the Trainer's contract names an error, it is the Trainer's: ``train(
+resume_from_checkpoint=True)`` with no checkpoint anywhere raises its ``ValueError``.
+Otherwise only ckptturbo errors (``CkptTurboError``, the original as ``__cause__``) leave
+the callback's hooks and the mixin's methods, except the user's own code's errors raised
 inside ``Trainer.train``.
+
+Each checkpoint holds its own chunks by default (``store="checkpoint"``), so the output
+directory lists only ``checkpoint-<step>`` directories, as the Trainer's does, and a
+rotated checkpoint goes whole; ``store="run"`` shares one chunk store among them
+(docs/integrations.md says why and when).
 """
 from __future__ import annotations
 
@@ -39,13 +46,14 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import ckptturbo as ct
 
-from ._core import (DeferredGC, all_ranks, ckptturbo_errors, exists, list_checkpoints,
-                    native_rng_state, rank_and_world, remove, rng_state, save_tree)
+from ._core import (DeferredGC, all_ranks, chunk_store, ckptturbo_errors, exists,
+                    list_checkpoints, native_rng_state, rank_and_world, remove, rng_state,
+                    save_tree, tiered_store)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,12 @@ class TurboCheckpointCallback(TrainerCallback):
         url: run root for ``checkpoint-<step>`` checkpoints, a path or ``s3://`` URL;
             default: ``args.output_dir``.
         storage_options: fsspec options for ``url`` (endpoint, keys, ...).
+        store: where a checkpoint's chunks go. "checkpoint" (default): inside its own
+            ``checkpoint-<step>`` directory, so the run's directory lists only checkpoints,
+            as the Trainer's, and rotation deletes a checkpoint whole. "run": one chunk
+            store ``<url>/.ckptturbo`` shared by the run's checkpoints, so tensors unchanged
+            between checkpoints (frozen layers) are stored once. A URL: that chunk store.
+            "run" is the default with tiers, which need it.
         tiers: a ``ckptturbo.Tiers``: each checkpoint commits to host memory (and the
             other nodes' memory) first, and only every ``persist_every``-th goes to ``url``
             (docs/tiers.md). Rotation, resume (``True``: the newest in either place) and the
@@ -71,9 +85,11 @@ class TurboCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, url: str | None = None, storage_options: dict[str, Any] | None = None,
-                 *, tiers: ct.Tiers | None = None, **writer_options: Any) -> None:
+                 *, store: str | None = None, tiers: ct.Tiers | None = None,
+                 **writer_options: Any) -> None:
         self.url = url
         self.storage_options = storage_options
+        self.store = tiered_store(store, tiers)
         self.tiers = tiers
         self.writer_options = writer_options
         self.intercept = True
@@ -167,7 +183,8 @@ class TurboCheckpointCallback(TrainerCallback):
                 tree["scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
                 tree["scaler"] = scaler.state_dict() if scaler is not None else None
             handle = save_tree(tree, url, storage_options=self.storage_options, collective=True,
-                               tiers=self.tiers, **self.writer_options)
+                               store=chunk_store(self.store), tiers=self.tiers,
+                               **self.writer_options)
             handle.staged.result()
             self.handles.append(handle)
             if args.should_save:
@@ -231,6 +248,24 @@ class TurboCheckpointCallback(TrainerCallback):
             log.info("loaded the model of %s", url)
 
 
+class _TurboCallbackHandler(CallbackHandler):
+    """The Trainer's callback handler that also calls the adapter's callback, after the
+    visible ones (where ``add_callback`` would have put it), without listing it: code that
+    inspects, pops or removes ``callback_handler.callbacks`` sees a plain Trainer's list."""
+
+    def __init__(self, handler: CallbackHandler, turbo: TurboCheckpointCallback) -> None:
+        vars(self).update(vars(handler))  # the same list, model, optimizer, dataloaders
+        self.turbo = turbo
+
+    def call_event(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        control = super().call_event(event, args, state, control, **kwargs)
+        visible, self.callbacks = self.callbacks, [self.turbo]
+        try:
+            return super().call_event(event, args, state, control, **kwargs)
+        finally:
+            self.callbacks = visible
+
+
 def _unwrap(model: Any) -> Any:
     while hasattr(model, "module"):
         model = model.module
@@ -242,19 +277,26 @@ class TurboTrainerMixin:
     from them and loads the best one from them.
 
     ``class MyTrainer(TurboTrainerMixin, Trainer)``; ``turbo_url`` / ``turbo_storage_options``
-    / ``turbo_tiers`` keyword arguments configure the callback. It takes the place of the Trainer's private
+    / ``turbo_store`` / ``turbo_tiers`` keyword arguments configure the callback (its ``url``,
+    ``storage_options``, ``store``, ``tiers``). It takes the place of the Trainer's private
     ``_save_checkpoint`` and ``_load_best_model`` (transformers as pinned in pyproject.toml).
+    The callback runs after the Trainer's callbacks without being listed among them.
     """
 
     def __init__(self, *args: Any, turbo_url: str | None = None,
                  turbo_storage_options: dict[str, Any] | None = None,
-                 turbo_tiers: ct.Tiers | None = None, **kwargs: Any) -> None:
+                 turbo_store: str | None = None, turbo_tiers: ct.Tiers | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.turbo = TurboCheckpointCallback(turbo_url, turbo_storage_options, tiers=turbo_tiers)
+        self.turbo = TurboCheckpointCallback(turbo_url, turbo_storage_options, store=turbo_store,
+                                             tiers=turbo_tiers)
         self.turbo.intercept = False
-        self.add_callback(self.turbo)
+        self.callback_handler = _TurboCallbackHandler(self.callback_handler, self.turbo)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """``Trainer.train``, resuming from a ckptturbo checkpoint: ``True`` takes the newest
+        under the callback's root, and without one the Trainer's own resume goes on (its
+        newest in ``output_dir``, or its ``ValueError`` when there is none)."""
         with ckptturbo_errors("resuming from", resume_from_checkpoint):
             url = self._turbo_resolve(resume_from_checkpoint)
         if url is None:
@@ -303,10 +345,7 @@ class TurboTrainerMixin:
     def _turbo_resolve(self, resume: str | bool | None) -> str | None:
         if resume is True:
             found = self.turbo.checkpoints(self.args)
-            if not found:
-                raise ct.CheckpointNotFound(
-                    f"no committed ckptturbo checkpoint under {self.turbo.root(self.args)}")
-            return found[max(found)]
+            return found[max(found)] if found else None
         if isinstance(resume, (str, os.PathLike)):
             resume = os.fspath(resume)
             if self.turbo.exists(resume):

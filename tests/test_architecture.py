@@ -1,8 +1,9 @@
 """The import contract: every module of ``ckptturbo/`` and ``integrations/`` imports only
 modules of its own layer or of layers below it, and no import circle exists, counting
 imports inside functions and under ``TYPE_CHECKING`` (an import that only type checkers
-run still ties the two modules together for a reader). The layers are docs/architecture.md's;
-a new module is placed in ``LAYERS`` below, or this test names it.
+run still ties the two modules together for a reader). The layers are
+docs/architecture.md's; a new module is placed in ``LAYERS`` below, or this test names it.
+Adapters import only the core's surface for them (``ADAPTER_SURFACE``).
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("api", ["session", "api", "adapter_support"]),
     ("entry points", ["cli", "export", "integrations", "integrations.*"]),
 ]
+# What an adapter may import of the core: the public names, the errors, the streamer and
+# the one module written for them (docs/architecture.md), never a core module's insides.
+ADAPTER_SURFACE = {"ckptturbo", "ckptturbo.errors", "ckptturbo.stream",
+                   "ckptturbo.adapter_support"}
 # Package faces re-export their members: importing one is importing its layer, and the
 # root face (``import ckptturbo as ct``, ``__version__``) is for the entry points only.
 ROOT_FACE = "ckptturbo"
@@ -117,6 +122,15 @@ def test_imports_point_down():
                 upward.append(f"{where(module, line)}: {module} ({LAYERS[layer_of(module)][0]})"
                               f" imports {target} ({LAYERS[layer_of(target)][0]})")
     assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_adapters_use_the_adapter_surface_only():
+    inside = [f"{where(module, line)}: {module} imports {target}"
+              for module, targets in graph().items() if module.startswith("ckptturbo.integrations")
+              for target, line in targets
+              if not target.startswith("ckptturbo.integrations") and target not in ADAPTER_SURFACE]
+    assert not inside, "adapters reaching into the core (use ckptturbo.adapter_support):\n" + \
+        "\n".join(inside)
 
 
 def test_no_import_circles():

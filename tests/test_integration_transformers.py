@@ -3,7 +3,9 @@
 What is checked is the Trainer's own checkpoint contract: exact resume, ``save_total_limit``
 after a resume (decided from storage), ``load_best_model_at_end`` (the same checkpoints
 kept and the same final weights as the Trainer with its own checkpoints), resume of the
-newest checkpoint in storage, and only ckptturbo errors leaving the adapter.
+newest checkpoint in storage, the Trainer's error when there is nothing to resume from,
+an output directory that lists only the kept checkpoints, the Trainer's callback list, and
+otherwise only ckptturbo errors leaving the adapter.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
 
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
+from ckptturbo.paths import OWN_STORE  # noqa: E402
+from ckptturbo.runs import Location  # noqa: E402
 from ckptturbo.integrations.transformers import TurboCheckpointCallback, TurboTrainer  # noqa: E402
 from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
 
@@ -45,7 +49,7 @@ class StepCounter(TrainerCallback):
 
 
 def make_trainer(out: str, seed: int, cls=TurboTrainer, max_steps: int = 6, best: bool = False,
-                 **turbo) -> Trainer:
+                 save_steps: int = 2, **turbo) -> Trainer:
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                        use_cache=False))
@@ -53,7 +57,8 @@ def make_trainer(out: str, seed: int, cls=TurboTrainer, max_steps: int = 6, best
     if best:
         extra = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
                      metric_for_best_model="score", greater_is_better=False, per_device_eval_batch_size=8)
-    args = TrainingArguments(output_dir=out, max_steps=max_steps, save_steps=2, save_total_limit=2,
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, save_steps=save_steps,
+                             save_total_limit=2,
                              per_device_train_batch_size=4, learning_rate=1e-3, seed=0, report_to=[],
                              use_cpu=True, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                              **extra)
@@ -227,11 +232,77 @@ def test_resume_reads_a_save_still_in_flight_s3(tmp_path, s3_server):
     assert steps_run(b) == [7, 8]
 
 
+def test_nothing_to_resume_from_raises_the_trainers_error(tmp_path, s3_server):
+    """``resume_from_checkpoint=True`` with no checkpoint: the Trainer's ValueError, word for
+    word, with the run in the output directory or on s3:// (code written against the Trainer
+    catches it to start afresh)."""
+    ref_out, out = tmp_path / "ref", tmp_path / "out"
+    with pytest.raises(ValueError) as want:
+        make_trainer(str(ref_out), seed=0, cls=Trainer).train(resume_from_checkpoint=True)
+    runs = {"output_dir": {}, "s3": dict(turbo_url=s3_server.url("empty"),
+                                         turbo_storage_options=s3_server.storage_options)}
+    for where, turbo in runs.items():
+        with pytest.raises(ValueError) as got:
+            make_trainer(str(out), seed=0, **turbo).train(resume_from_checkpoint=True)
+        assert type(got.value) is type(want.value), where
+        assert str(got.value) == str(want.value).replace(str(ref_out), str(out)), where
+        assert str(got.value) == f"No valid checkpoint found in output directory ({out})"
+
+
+@pytest.mark.parametrize("store", [None, "run", "url"])
+def test_output_dir_lists_only_the_kept_checkpoints(tmp_path, store):
+    """After rotation the output directory lists the kept ``checkpoint-<step>`` directories
+    and nothing else (the shared store of ``store="run"`` aside), 20 runs in a row: no
+    rotated checkpoint's directory comes back (a gc of it in flight once wrote its gc
+    generation into it after the delete)."""
+    turbo = {"turbo_store": str(tmp_path / "chunks")} if store == "url" else {"turbo_store": store}
+    extra = [".ckptturbo"] if store == "run" else []
+    leftovers = []
+    for i in range(20):
+        out = tmp_path / f"out{i}"
+        make_trainer(str(out), seed=0, max_steps=6, save_steps=1, **turbo).train()
+        listed = sorted(p.name for p in out.iterdir())
+        if listed != sorted(["checkpoint-5", "checkpoint-6", *extra]):
+            leftovers.append((i, listed))
+    assert leftovers == []
+    assert names(str(out)) == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_gc_that_listed_a_rotated_checkpoint_leaves_it_gone(tmp_path):
+    """The order that left ``checkpoint-N/.ckptturbo/gc.generation`` behind: the adapter's
+    background gc of the run lists a self-contained checkpoint, rotation deletes it, and the
+    gc then takes that checkpoint's lock, which wrote its directory back. Forced here."""
+    out = tmp_path / "out"
+    make_trainer(str(out), seed=0, max_steps=4).train()
+    listed = [url for url, _ in catalog.committed(str(out), None, None)]  # the gc's listing
+    ct.delete(f"{out}/checkpoint-2")  # a rotation, meanwhile
+    gone = Location(f"{out}/checkpoint-2", None, OWN_STORE)
+    assert str(gone.url) in listed
+    assert catalog.collect_checkpoint(gone).deleted == 0  # the gc goes on with what it listed
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4"]
+
+
+def test_callbacks_are_the_trainers(tmp_path):
+    """``callback_handler.callbacks`` lists what a plain Trainer built with the same
+    arguments lists (classes, order), before and after training, and popping one works as
+    there; the adapter's checkpoints are still taken."""
+    def listed(t: Trainer) -> list[type]:
+        return [type(cb) for cb in t.callback_handler.callbacks]
+
+    ref = make_trainer(str(tmp_path / "ref"), seed=0, cls=Trainer)
+    t = make_trainer(str(tmp_path / "out"), seed=0)
+    assert listed(t) == listed(ref)
+    assert not any(isinstance(cb, TurboCheckpointCallback) for cb in t.callback_handler.callbacks)
+    assert type(t.pop_callback(StepCounter)) is type(ref.pop_callback(StepCounter))
+    assert listed(t) == listed(ref)
+    t.train()
+    assert listed(t) == listed(ref)
+    assert names(str(tmp_path / "out")) == ["checkpoint-4", "checkpoint-6"]
+
+
 def test_errors_are_ckptturbo_errors(tmp_path, s3_server):
     opts = s3_server.storage_options
     t = make_trainer(str(tmp_path / "out"), seed=0, turbo_url=s3_server.url("empty"), turbo_storage_options=opts)
-    with pytest.raises(ct.CheckpointNotFound, match="empty"):
-        t.train(resume_from_checkpoint=True)
     with pytest.raises(ct.CheckpointNotFound, match="nope"):
         t.train(resume_from_checkpoint=s3_server.url("empty/nope"))
     blocker = tmp_path / "a-file"

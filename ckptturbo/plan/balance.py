@@ -235,7 +235,7 @@ class Repair:
         count = 1
         if all(pi < 0 for _, pi in picks):  # whole chunks only: move a run at once
             count = self._run_length(path, top)
-        for (gi, src, dst), (size, pi) in zip(path, picks):
+        for (gi, src, dst), (size, pi) in zip(path, picks, strict=True):
             self._move(gi, src, dst, pi, count if pi < 0 else 1, size)
         return True
 

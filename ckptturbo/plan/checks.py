@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from itertools import pairwise
 
 from ..errors import PlanError
 
@@ -30,7 +31,7 @@ def check_ranks(name: str, ranks: tuple[int, ...], world_size: int) -> None:
         raise PlanError(f"{name}: no ranks hold it")
     if not all(isinstance(q, int) for q in ranks):
         raise PlanError(f"{name}: ranks must be integers, got {ranks!r}")
-    if any(b <= a for a, b in zip(ranks, ranks[1:])):
+    if any(b <= a for a, b in pairwise(ranks)):
         raise PlanError(f"{name}: ranks must be sorted and unique, got {ranks!r}")
     if ranks[0] < 0 or ranks[-1] >= world_size:
         raise PlanError(f"{name}: rank out of range for world_size {world_size}: {ranks!r}")

@@ -6,8 +6,9 @@ piece for the balancing in ``balance``.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 from ..errors import PlanError
 from .balance import Group, balance
@@ -66,7 +67,7 @@ def plan_reads(
     largest = max((n.nbytes for n in ordered), default=0)
     balance(groups, load, w, largest)
     for g in groups:
-        for (_, i), rank in zip(g.pieces, g.piece_at):
+        for (_, i), rank in zip(g.pieces, g.piece_at, strict=True):
             reader[i] = rank
     return [
         ChainAssignment(n.chunk, n.nbytes, _chain(reader[i], ranks_of[i]))
@@ -75,7 +76,7 @@ def plan_reads(
 
 def _sorted_needs(needs: Sequence[ReadNeed]) -> list[ReadNeed]:
     ordered = sorted(needs, key=lambda n: n.chunk)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in pairwise(ordered):
         if a.chunk == b.chunk:
             raise PlanError(f"chunk {a.chunk!r} is listed twice: merge its ranks into one need")
     for n in ordered:

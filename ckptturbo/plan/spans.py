@@ -7,7 +7,8 @@ range that sub-box spans within the shard. Pure: sizes in, ranges out.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar
 
 
 class Piece(Protocol):
@@ -48,8 +49,8 @@ def box_span(sizes: Sequence[int], nbytes: int, offsets: Sequence[int],
     if tuple(lengths) == tuple(sizes) and not any(offsets):  # the whole box: most reads
         return 0, nbytes
     strides = row_major_strides(sizes)
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
     itemsize = nbytes // max(1, numel(sizes))
     return first * itemsize, (last + 1) * itemsize
 

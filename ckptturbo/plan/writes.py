@@ -6,8 +6,9 @@ algorithm and its bound; ``plan_stats`` measures a plan against that bound).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 from ..errors import PlanError
 from .balance import Group, balance
@@ -92,7 +93,7 @@ def plan_stats(
     w = check_weights(weights, world_size)
     per_rank = [sum(r.end - r.start for r in ranges) for ranges in plan]
     unique = sum(it.nbytes for it in items)
-    makespan = max((b / wr for b, wr in zip(per_rank, w)), default=0.0)
+    makespan = max((b / wr for b, wr in zip(per_rank, w, strict=True)), default=0.0)
     bound = _write_lower_bound(items, plan, per_rank, w)
     mean = unique / world_size
     return {
@@ -111,7 +112,7 @@ def plan_stats(
 
 def _sorted_items(items: Sequence[PlanItem]) -> list[PlanItem]:
     ordered = sorted(items, key=lambda it: it.key)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in pairwise(ordered):
         if a.key == b.key:
             raise PlanError(f"duplicate item key {a.key!r}")
     for it in ordered:
@@ -143,7 +144,9 @@ def _write_group(
     largest = max((size for size, _ in small), default=0)
     scale = chunk if whole else min(chunk, max(total // len(holders), largest))
     limit = scale // BUNDLE_FRACTION
-    pieces, open_bundle, open_bytes = [], [], 0
+    pieces: list[tuple[int, int]] = []
+    open_bundle: list[tuple[int, int]] = []
+    open_bytes = 0
     for size, i in small:  # members, hence pieces, in key order
         if size >= limit:
             pieces.append((size, len(bundles)))
@@ -183,7 +186,7 @@ def _emit_group(g: Group, ordered: list[PlanItem], chunk: int,
             count -= take
             if done == ordered[i].nbytes // chunk:
                 last[i] = (rank, rng)
-    for (_, b), rank in zip(g.pieces, g.piece_at):
+    for (_, b), rank in zip(g.pieces, g.piece_at, strict=True):
         for size, i in bundles[b]:
             end = ordered[i].nbytes
             prev = last.get(i)

@@ -88,7 +88,8 @@ class DiskCache:
         except FileNotFoundError:
             self._count("misses")
             return None
-        if raw[:len(_MAGIC)] != _MAGIC or blake3.blake3(raw[_HEAD:]).digest() != raw[len(_MAGIC):_HEAD]:
+        digest = raw[len(_MAGIC):_HEAD]
+        if raw[:len(_MAGIC)] != _MAGIC or blake3.blake3(raw[_HEAD:]).digest() != digest:
             log.warning("cache entry %s is corrupt; dropping it", path)
             self._count("corrupt")
             self._count("misses")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import CheckpointNotFound
 from ..runtime import default_runtime
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 def calibrate(url: str, storage_options: dict[str, Any] | None = None, *,
               streams: Iterable[int] = (4, 8, 16, 32),
               chunk_sizes: Iterable[int] = (4 * MiB, 16 * MiB, 64 * MiB),
-              sample_bytes: int = 256 * MiB, save: bool | str | os.PathLike[str] = False) -> dict[str, Any]:
+              sample_bytes: int = 256 * MiB,
+              save: bool | str | os.PathLike[str] = False) -> dict[str, Any]:
     """Time parallel ranged reads of one object at ``url`` for each (streams, chunk size).
 
     ``url`` is a file or a directory/prefix (its largest ``*.safetensors`` is used). Each
@@ -47,9 +49,10 @@ def calibrate(url: str, storage_options: dict[str, Any] | None = None, *,
             log.info("calibrate %s: %d streams x %d MiB: %.3f GB/s", url, n, chunk // MiB,
                      results[-1]["gbps"])
     best = max(results, key=lambda r: r["gbps"])
-    result = {"endpoint": endpoint_key(store), "object": store.url_of(path), "sample_bytes": nbytes,
-              "streams": best["streams"], "chunk_size": best["chunk_size"], "gbps": best["gbps"],
-              "measured_at": time.time(), "results": results}
+    result: dict[str, Any] = {
+        "endpoint": endpoint_key(store), "object": store.url_of(path), "sample_bytes": nbytes,
+        "streams": best["streams"], "chunk_size": best["chunk_size"], "gbps": best["gbps"],
+        "measured_at": time.time(), "results": results}
     if save:
         result["saved_to"] = str(save_profile(result["endpoint"], result,
                                               None if save is True else save))

@@ -16,7 +16,7 @@ stream's memory budget for its life.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -84,7 +84,8 @@ class Scatter:
     :meth:`take` once every read covering it is filled.
     """
 
-    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]], pinned: bool = False) -> None:
+    def __init__(self, plan: Sequence[tuple[TensorInfo, Sequence[Read]]],
+                 pinned: bool = False) -> None:
         """``plan``: every tensor in yield order with the reads that cover its bytes;
         ``pinned``: destinations in pinned memory, for tensors bound for a GPU (their copy
         there then runs asynchronously, at the link's speed)."""
@@ -98,7 +99,8 @@ class Scatter:
             for r in reads:
                 lo, hi = max(r.start, t.start), min(r.end, t.end)
                 if lo < hi:
-                    self._pieces.setdefault(r.index, []).append((slot, lo - t.start, lo - r.start, hi - lo))
+                    piece = (slot, lo - t.start, lo - r.start, hi - lo)
+                    self._pieces.setdefault(r.index, []).append(piece)
 
     def deliver(self, read: Read, data: bytes | bytearray | memoryview | Parts) -> bytes:
         """Copy ``read``'s bytes (one buffer, or its part GETs' bodies) into their
@@ -138,7 +140,8 @@ class Scatter:
             self._pieces.clear()
 
 
-def covering(tensors: Sequence[TensorInfo], reads: Sequence[Read]) -> list[tuple[TensorInfo, list[Read]]]:
+def covering(tensors: Sequence[TensorInfo],
+             reads: Sequence[Read]) -> list[tuple[TensorInfo, list[Read]]]:
     """Each of one file's tensors (by offset) with the reads (by offset) that cover it."""
     out, ri = [], 0
     for t in tensors:

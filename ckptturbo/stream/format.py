@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -57,7 +58,8 @@ def torch_dtype(name: str, source: str = "") -> torch.dtype:
     return dtype
 
 
-def torch_layout(name: str, shape: Sequence[int], source: str = "") -> tuple[torch.dtype, tuple[int, ...]]:
+def torch_layout(name: str, shape: Sequence[int],
+                 source: str = "") -> tuple[torch.dtype, tuple[int, ...]]:
     """The dtype and shape of the torch tensor that holds a safetensors tensor's bytes.
 
     Equal to the header's for every byte-sized dtype. F4 becomes ``float4_e2m1fn_x2``,
@@ -76,7 +78,8 @@ def torch_layout(name: str, shape: Sequence[int], source: str = "") -> tuple[tor
 def _torch_attr(name: str, source: str) -> torch.dtype:
     attr = DTYPE_BITS.get(name, (0, None))[1]
     if attr is None or not hasattr(torch, attr):
-        raise FormatError(f"{source}: dtype {name} has no torch equivalent in torch {torch.__version__}")
+        raise FormatError(f"{source}: dtype {name} has no torch equivalent in torch "
+                          f"{torch.__version__}")
     return getattr(torch, attr)
 
 

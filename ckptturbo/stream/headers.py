@@ -7,9 +7,10 @@ reads it covers, so no byte is fetched twice.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..prefetch import MemoryBudget, Read
 from .format import Header, header_length, parse_header

@@ -1,8 +1,9 @@
 """The options of a stream, in one object, and the settings they resolve to."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,8 @@ class StreamOptions:
 
     def settings(self, url: str) -> StreamProfile:
         """The profile for ``url``'s endpoint with the explicit settings applied, checked."""
-        prof = resolve(self.profile, endpoint_key_for(url, self.storage_options), self.profiles_file)
+        endpoint = endpoint_key_for(url, self.storage_options)
+        prof = resolve(self.profile, endpoint, self.profiles_file)
         explicit = dict(chunk_size=self.chunk_size, streams=self.streams, lookahead=self.lookahead,
                         memory_limit=self.memory_limit)
         prof = replace(prof, **{k: v for k, v in explicit.items() if v is not None})

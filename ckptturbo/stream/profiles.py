@@ -4,8 +4,8 @@ No single setting is right everywhere: many parallel streams of large chunks per
 what loads one big model fast from an object store (SkyPilot measured 6.8-7.9x over
 defaults), and the same settings waste memory and requests on many small files. So the
 streamer takes a named ``profile`` and, when none is named, uses the settings that
-:func:`~ckptturbo.stream.calibrate.calibrate` measured for the same endpoint on this machine (saved in
-``~/.cache/ckptturbo/profiles.json``, or ``$CKPTTURBO_PROFILES``), falling back to
+:func:`~ckptturbo.stream.calibrate.calibrate` measured for the same endpoint on this machine
+(saved in ``~/.cache/ckptturbo/profiles.json``, or ``$CKPTTURBO_PROFILES``), falling back to
 ``model-load``. Explicit keyword arguments always win over the profile.
 """
 from __future__ import annotations
@@ -84,7 +84,8 @@ def load_saved(key: str, path: str | os.PathLike[str] | None = None) -> StreamPr
         return None
 
 
-def save_profile(key: str, result: dict[str, Any], path: str | os.PathLike[str] | None = None) -> Path:
+def save_profile(key: str, result: dict[str, Any],
+                 path: str | os.PathLike[str] | None = None) -> Path:
     file = profiles_path(path)
     file.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..prefetch import Read
 from .format import TensorInfo
@@ -13,7 +13,8 @@ from .headers import StreamFile
 MiB = 1 << 20
 MIN_PIECE = 4 * MiB  # smallest read worth a round trip when files are cut for parallelism
 GAP_MERGE = 1 * MiB  # with names=, read through gaps up to this size rather than split a range
-RAMP_START = 1 * MiB  # the stream's first reads: this size, doubling every two reads up to the grid's
+# the stream's first reads: this size, doubling every two reads up to the grid's
+RAMP_START = 1 * MiB
 
 
 def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]],
@@ -42,10 +43,11 @@ def cut_reads(files: Sequence[StreamFile], wanted: Sequence[Sequence[TensorInfo]
     ramp: list[int] | None = None  # the ramp's cut points, in the stream's first file with data
     spans = [intervals(tensors) for tensors in wanted]
     total = sum(b - a for file_spans in spans for a, b in file_spans)
-    for fi, (f, file_spans) in enumerate(zip(files, spans)):
-        step = grid_step(total if whole_stream else sum(b - a for a, b in file_spans), piece, streams)
+    for fi, (f, file_spans) in enumerate(zip(files, spans, strict=True)):
+        in_flight = total if whole_stream else sum(b - a for a, b in file_spans)
+        step = grid_step(in_flight, piece, streams)
         origin = probe  # the grid's first point; in the first file, where the ramp ends
-        reads = []
+        reads: list[Read] = []
         for a, b in file_spans:
             pos = a
             while pos < b:

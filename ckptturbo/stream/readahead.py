@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,11 +35,13 @@ from .ranges import RAMP_START, cut_end, grid_step, intervals
 from .source import ByteSource
 
 log = logging.getLogger(__name__)
-SKIP_AHEAD = 8  # a call this many tensors ahead of the order still follows it (the rest is waited out)
+# a call this many tensors ahead of the order still follows it (the rest is waited out)
+SKIP_AHEAD = 8
 Plan = list[tuple[TensorInfo, list[Read]]]  # tensors in call order, each with the reads covering it
 
 
-def guess_order(calls: Sequence[str], orders: Sequence[Sequence[str]]) -> tuple[int, list[str]] | None:
+def guess_order(calls: Sequence[str],
+                orders: Sequence[Sequence[str]]) -> tuple[int, list[str]] | None:
     """Which of ``orders`` the calls follow, and its rest from the last call on: the first
     that starts with ``calls[0]`` or has ``calls[-2:]`` as neighbours."""
     for k, order in enumerate(orders):
@@ -158,8 +160,9 @@ def plan_reads(tensors: Sequence[TensorInfo], path: str, piece: int, streams: in
     return None
 
 
-def start_read_ahead(file: StreamFile, order: Sequence[str], source: ByteSource, budget: MemoryBudget,
-                     chunk_size: int, streams: int, files: int, pinned: bool = False) -> ReadAhead | None:
+def start_read_ahead(file: StreamFile, order: Sequence[str], source: ByteSource,
+                     budget: MemoryBudget, chunk_size: int, streams: int, files: int,
+                     pinned: bool = False) -> ReadAhead | None:
     """A read-ahead of ``file``'s tensors in ``order`` (those the header GET did not bring
     already) within ``budget``, for a handle or a next shard; None when no plan fits.
     ``pinned``: the tensors land in pinned memory (a handle on a GPU)."""
@@ -167,7 +170,9 @@ def start_read_ahead(file: StreamFile, order: Sequence[str], source: ByteSource,
     tensors = [by_name[n] for n in order if by_name[n].nbytes and not file.in_tail(by_name[n].end)]
     piece = max(1, min(chunk_size, budget.limit // 4))
     plan = plan_reads(tensors, file.entry.path, piece, streams, budget.limit, files)
-    return ReadAhead(plan, source.fetch_parts, source.store.submit, budget, streams, pinned) if plan else None
+    if not plan:
+        return None
+    return ReadAhead(plan, source.fetch_parts, source.store.submit, budget, streams, pinned)
 
 
 class ReadAhead:
@@ -179,7 +184,8 @@ class ReadAhead:
         read's bytes (or its part GETs' bodies, which :class:`~.device.Scatter` takes as
         they are)."""
         self._names = [t.name for t, _ in plan]
-        self._reads = sorted({r.index: r for _, rs in plan for r in rs}.values(), key=lambda r: r.index)
+        by_index = {r.index: r for _, rs in plan for r in rs}
+        self._reads = sorted(by_index.values(), key=lambda r: r.index)
         self._covering = [rs for _, rs in plan]
         self._last_use = {r.index: slot for slot, (_, rs) in enumerate(plan) for r in rs}
         self._scatter = Scatter(plan, pinned)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,8 +95,9 @@ class TensorSlice:
         except (IndexError, ValueError, TypeError) as exc:
             if isinstance(exc, CkptTurboError):
                 raise
-            raise SliceIndexError(f"{owner.name}: tensor {info.name!r} of shape {list(info.shape)}: "
-                                  f"cannot index with {index!r}: {exc}") from exc
+            raise SliceIndexError(f"{owner.name}: tensor {info.name!r} of shape "
+                                  f"{list(info.shape)}: cannot index with {index!r}: {exc}"
+                                  ) from exc
         return owner._deliver(out, info)
 
     def _select(self, index: Any) -> torch.Tensor:
@@ -106,6 +108,7 @@ class TensorSlice:
             return owner._typed(owner._read(info.start, info.end), info)[index]
         rows = owner._layout(info)[1][0]
         row_bytes = info.nbytes // rows if rows else 0
+        lead: int | slice  # indexes dim 0 of the rows read: the one row, or the slice's step
         if isinstance(first, int):
             i = first + rows if first < 0 else first
             if not 0 <= i < rows:
@@ -117,9 +120,10 @@ class TensorSlice:
                 raise ValueError("step must be greater than zero")
             stop = max(start, stop)
             lead = slice(None, None, step)
-        part = owner._typed(owner._read(info.start + start * row_bytes, info.start + stop * row_bytes),
-                            info, rows=stop - start)
-        out = part[(lead, *idx[1:])]
+        raw = owner._read(info.start + start * row_bytes, info.start + stop * row_bytes)
+        part = owner._typed(raw, info, rows=stop - start)
+        key = (lead, *idx[1:])
+        out = part[key]
         if out.numel() < part.numel():
             out = out.clone()  # do not pin the rows that were fetched but not asked for
         return out
@@ -141,7 +145,7 @@ def _numpy_index(index: Any, info: TensorInfo, name: str) -> Any:
         index = slice(0, 0)
     items = index if isinstance(index, tuple) else (index,)
     shown, out_of_range = [], None
-    for dim, (item, size) in enumerate(zip(items, info.shape)):
+    for dim, (item, size) in enumerate(zip(items, info.shape, strict=False)):  # may be fewer
         if isinstance(item, slice):
             shown.append(f"{'' if item.start is None else item.start}:"
                          f"{'' if item.stop is None else item.stop}")
@@ -254,7 +258,8 @@ class SafeOpen:
         try:
             return self._header().by_name[name]
         except KeyError:
-            raise TensorNotFoundError(f"{self.name}: File does not contain tensor {name!r}") from None
+            raise TensorNotFoundError(f"{self.name}: File does not contain tensor {name!r}"
+                                      ) from None
 
     def get_tensor(self, name: str) -> Any:
         info = self._info(name)
@@ -343,6 +348,7 @@ class SafeOpen:
         out = buf.numpy()
         f = self._file
         if self._file.in_tail(end):
+            assert f.tail is not None  # in_tail: the tail is kept
             lo = start - f.header.data_start
             out[:] = np.frombuffer(f.tail, dtype=np.uint8, count=end - start, offset=lo)
             return buf
@@ -374,12 +380,14 @@ class SafeOpen:
 
     def _deliver(self, tensor: torch.Tensor, info: TensorInfo) -> Any:
         if self.framework == "pt":  # from pinned memory the copy runs on the caller's stream
-            return tensor.to(self.device, non_blocking=self.device.type == "cuda" and tensor.is_pinned())
+            non_blocking = self.device.type == "cuda" and tensor.is_pinned()
+            return tensor.to(self.device, non_blocking=non_blocking)
         try:
             return tensor.numpy()
         except TypeError as exc:
             raise SafeOpenFormatError(f"{self.name}: tensor {info.name!r}: dtype {info.dtype} has "
-                                      "no numpy equivalent; open the file with framework='pt'") from exc
+                                      "no numpy equivalent; open the file with framework='pt'"
+                                      ) from exc
 
     @property
     def stats(self) -> dict[str, int]:
@@ -443,5 +451,6 @@ def _device(device: str | int | torch.device | None, framework: str, name: str) 
 def safe_open(filename: str | os.PathLike[str], framework: str = "pt",
               device: str | int | torch.device | None = "cpu",
               storage_options: dict[str, Any] | None = None, **kwargs: Any) -> SafeOpen:
-    """Open one safetensors file at a path, ``os.PathLike`` or URL, like ``safetensors.safe_open``."""
+    """Open one safetensors file at a path, ``os.PathLike`` or URL, like
+    ``safetensors.safe_open``."""
     return SafeOpen(filename, framework, device, storage_options, **kwargs)

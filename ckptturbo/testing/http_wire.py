@@ -14,8 +14,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MAX_HEAD = 64 << 10  # a longer request or response head is treated as a broken peer
 _PIECE = 1 << 20

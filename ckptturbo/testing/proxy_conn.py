@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .http_wire import (
-    Reader, WireError, Writer, chunk_size, copy_chunked, copy_exact, copy_to_close, drain_body,
+    Reader,
+    WireError,
+    Writer,
+    chunk_size,
+    copy_chunked,
+    copy_exact,
+    copy_to_close,
+    drain_body,
 )
 
 if TYPE_CHECKING:
@@ -54,7 +61,7 @@ def s3_error(kind: str, resource: str, request_id: str, head_only: bool,
     return head if head_only else head + body
 
 
-def _fault_offset(reader: Reader, size: int | None, decision: "Decision") -> int | None:
+def _fault_offset(reader: Reader, size: int | None, decision: Decision) -> int | None:
     """Where in a body a body fault acts: in the body, or in the first chunk of a chunked
     body (``size`` None; the chunk-size line is peeked, not consumed); None if it is empty."""
     span = size if size is not None else chunk_size(reader.peek_line())
@@ -67,7 +74,7 @@ class _Pending:
 
     method: str
     target: str
-    decision: "Decision"
+    decision: Decision
     synthetic: bytes | None = None  # an answer made here instead of the server's
     close_after: bool = False
 
@@ -75,7 +82,7 @@ class _Pending:
 class Connection:
     """A client connection and its own connection to the server, with their two threads."""
 
-    def __init__(self, proxy: "FaultProxy", client: socket.socket, server: socket.socket) -> None:
+    def __init__(self, proxy: FaultProxy, client: socket.socket, server: socket.socket) -> None:
         self.proxy = proxy
         self.client = client
         self.server = server
@@ -183,7 +190,8 @@ class Connection:
         if head.is_chunked:
             complete = copy_chunked(reader, self.to_server, stop_at=stop_at, flip_at=flip_at)
         else:
-            complete = copy_exact(reader, self.to_server, size or 0, stop_at=stop_at, flip_at=flip_at)
+            complete = copy_exact(reader, self.to_server, size or 0, stop_at=stop_at,
+                                  flip_at=flip_at)
         if not complete:
             self._hold(self.client, discard=False)
             return _ABORT
@@ -250,6 +258,7 @@ class Connection:
         stop_at = flip_at = None
         offset = _fault_offset(reader, size, item.decision) if fault in RESPONSE_FAULTS else None
         if offset is not None:
+            assert fault is not None  # an offset comes only with a response fault
             self.proxy.record(item.method, item.target, fault, offset)
             if fault == "flip_byte":
                 flip_at = offset
@@ -258,7 +267,9 @@ class Connection:
         if head.is_chunked:
             complete = copy_chunked(reader, self.to_client, stop_at=stop_at, flip_at=flip_at)
         else:
-            complete = copy_exact(reader, self.to_client, size, stop_at=stop_at, flip_at=flip_at)
+            # size is known here: a body without one was copied to the close above
+            complete = copy_exact(reader, self.to_client, size or 0, stop_at=stop_at,
+                                  flip_at=flip_at)
         if complete:
             self._answered()
             return True

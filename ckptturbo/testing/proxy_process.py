@@ -116,7 +116,8 @@ class ProxyProcess:
         self.control = ProxyControl(control.getsockname()[1])
         ctx = multiprocessing.get_context("fork")
         lifeline, self._lifeline = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child_main, args=(proxy, control, lifeline, self._lifeline),
+        self._proc = ctx.Process(target=_child_main,
+                                 args=(proxy, control, lifeline, self._lifeline),
                                  daemon=True, name=f"fault-proxy-{self.port}")
         self._proc.start()
         lifeline.close()
@@ -139,7 +140,7 @@ class ProxyProcess:
             self._proc.kill()
             self._proc.join(timeout=5)
 
-    def __enter__(self) -> "ProxyProcess":
+    def __enter__(self) -> ProxyProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
