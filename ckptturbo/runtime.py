@@ -31,10 +31,11 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from . import store
 from .chunk_index import ChunkIndex
+from .errors import CkptTurboError
 from .retry import seconds_setting
 from .store import Store
 from .urls import covers, url_key
@@ -303,7 +304,8 @@ def runtime_of(store: Store) -> Runtime:
     """The runtime that opened ``store`` (the owner of its threads and caches)."""
     owner = store.session
     if not isinstance(owner, Runtime):
-        raise TypeError(f"the store of {store.url!r} was not opened by a Runtime")
+        raise CkptTurboError(f"the store of {store.url!r} has no runtime of ckptturbo's to keep "
+                             f"its caches (its owner is {owner!r})")
     return owner
 
 
@@ -453,6 +455,7 @@ def single_process(no_dist: bool) -> Iterator[None]:
         with _quiet_lock:
             _quiet_users -= 1
             if _quiet_users == 0:
-                warnings.filters[:] = [f for f in warnings.filters
-                                       if not (f[0] == "ignore" and f[1] is not None
-                                               and f[1].pattern == _SINGLE_PROCESS_WARNING)]
+                filters = cast(list[Any], warnings.filters)  # a list, typed as a Sequence
+                filters[:] = [f for f in filters
+                              if not (f[0] == "ignore" and f[1] is not None
+                                      and f[1].pattern == _SINGLE_PROCESS_WARNING)]
