@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch>=2.9
-# everything installed after torch keeps that torch (vLLM's CPU build would replace it)
+# everything installed after torch keeps that torch (vLLM's CPU build would replace it): pip
+# keeps an installed build that the pin admits
 KEEP_TORCH := -c $(VENV)/keep-torch.txt
 
 .PHONY: demo test lint test-gpu bench soak clean
@@ -13,7 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, as TORCH_SPEC says (CI pins the local CPU build); an existing install is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
+	# pinned at its public release, which admits the installed build whatever its label (PyPI's
+	# CUDA wheel is version 2.14.1 but says torch.__version__ 2.14.1+cu130, a pin no wheel meets)
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch').split('+')[0])" \
+	  > $(VENV)/keep-torch.txt
 	$(PY) -m pip install -q $(KEEP_TORCH) -e ".[dev]"
 	touch $@
 

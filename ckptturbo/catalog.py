@@ -89,6 +89,8 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
         if time.monotonic() > deadline:
             end_save(run, save_id, [rank])
             raise SaveInProgress(f"a gc of {store.url_of(run.chunks_root)} held its lock for {wait}s")
+        log.debug("save %s (rank %d) waits for the gc lock %s", save_id, rank,
+                  store.url_of(run.gc_lock))  # tests wait for this line, not for a sleep
         time.sleep(LOCK_POLL)
     gen = generation(run)
     if gen == "0" and run.own:  # a delete removes the generation with the store: mint anew

@@ -311,12 +311,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Other tools (inference servers, converters) read safetensors or plain DCP, not chunks."""
-    from .export import export_dcp, export_safetensors  # imports torch: only this command needs it
+    # imports torch: only this command needs it
+    from .export import export_dcp, export_format, export_safetensors, safetensors_target
 
-    if args.format == "safetensors":
+    if export_format(args.dest, args.format) == "safetensors":
         tensors, files = export_safetensors(args.ckpt, args.dest, args.storage_options,
                                             max_shard_size=args.max_shard_size)
-        print(f"exported {tensors} tensors of {args.ckpt} to {args.dest} as "
+        where = safetensors_target(args.dest)[0]
+        print(f"exported {tensors} tensors of {args.ckpt} to {where} as "
               f"{', '.join(files) if len(files) <= 3 else f'{len(files)} safetensors files'}")
     else:
         if args.max_shard_size is not None:
@@ -443,9 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("export", cmd_export, "write a plain DCP or safetensors copy of a checkpoint")
     p.add_argument("ckpt", help="the checkpoint URL")
-    p.add_argument("dest", help="destination directory (a local path for dcp; any fsspec URL "
-                   "for safetensors)")
-    p.add_argument("--format", choices=["dcp", "safetensors"], required=True)
+    p.add_argument("dest", help="a .safetensors file, or a directory (a local path for dcp; "
+                   "any fsspec URL for safetensors)")
+    p.add_argument("--format", choices=["dcp", "safetensors"],
+                   help="what to write (default: safetensors for a dest named *.safetensors; "
+                   "required otherwise)")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                    help="safetensors: split into files of at most SIZE (e.g. 5GB), HF style")
     p.add_argument("--allow-pickle", action="store_true",

@@ -55,11 +55,41 @@ def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None
     return groups
 
 
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def export_format(dest: str, requested: str | None) -> str:
+    """The format an export writes: the ``requested`` one (--format), else what ``dest``
+    names (a ``.safetensors`` file), so ``export run/step-7 out.safetensors`` needs no flag."""
+    if requested is not None:
+        return requested
+    if dest.rstrip("/").endswith(SAFETENSORS_SUFFIX):
+        return "safetensors"
+    raise FormatError(f"cannot tell which format to export to {dest!r}: name a "
+                      f"{SAFETENSORS_SUFFIX} file, or pass --format safetensors (files in that "
+                      "directory) or --format dcp")
+
+
+def safetensors_target(dest: str) -> tuple[str, str]:
+    """The directory and the file stem an export writes to: ``dir/name.safetensors`` is the
+    file itself (``name-00001-of-0000N.safetensors`` and ``name.safetensors.index.json``
+    beside it when sharded); any other ``dest`` is a directory that gets ``model.*`` files
+    as Hugging Face names them."""
+    dest = dest.rstrip("/")
+    if not dest.endswith(SAFETENSORS_SUFFIX):
+        return dest, "model"
+    parent, _, name = dest.rpartition("/")
+    if not parent and dest.startswith("/"):
+        parent = "/"
+    return parent or ".", name[:-len(SAFETENSORS_SUFFIX)]
+
+
 def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any] | None = None,
                        *, max_shard_size: int | None = None) -> tuple[int, list[str]]:
     """One file (or HF-style shards plus index) that any safetensors reader opens; returns
     the number of tensors and the files written.
 
+    ``dest_url``: a directory, or a ``.safetensors`` file (see :func:`safetensors_target`).
     Shards are loaded and written one at a time, so ``max_shard_size`` also bounds memory.
     """
     from safetensors.torch import save as st_save
@@ -71,12 +101,14 @@ def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any]
     groups = shard_groups(manifest, tensors, max_shard_size)
     if not groups:
         raise FormatError(f"{ckpt} holds no tensors to export")
-    dest = default_runtime().open_store(dest_url, storage_options)
+    directory, stem = safetensors_target(dest_url)
+    dest = default_runtime().open_store(directory, storage_options)
     created = datetime.fromtimestamp(manifest.created, timezone.utc).isoformat(timespec="seconds")
     metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
                 "source": ckpt, "source_created": created}
-    files = (["model.safetensors"] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    files = ([f"{stem}{SAFETENSORS_SUFFIX}"] if len(groups) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{SAFETENSORS_SUFFIX}"
+              for i in range(len(groups))])
     weight_map = {}
     for file, names in zip(files, groups):
         sd = load_plain(ckpt, storage_options, manifest, names)
@@ -92,7 +124,7 @@ def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any]
         index = {"metadata": {**metadata, "total_size": sum(
             sum(s.nbytes for s in manifest.items[n].shards) for n in tensors)},
                  "weight_map": weight_map}
-        dest.put(dest.join(dest.root, "model.safetensors.index.json"),
+        dest.put(dest.join(dest.root, f"{stem}{SAFETENSORS_SUFFIX}.index.json"),
                  json.dumps(index, indent=2, sort_keys=True).encode())
     return len(tensors), files
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import time
 
 import torch
@@ -24,6 +25,25 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 512, generator=g)
     return x, torch.tanh(x.flip(1))
+
+
+def _wait_until_ray_registered(reported: list) -> None:
+    """Block until Ray's controller has processed every report of this worker, so that the
+    restart after a kill resumes from the newest checkpoint reported with a path.
+
+    ``get_all_reported_checkpoints(COMMITTED)`` waits for exactly that, but returns what it
+    has when its timeout passes: the newest one is then checked by name, so a slow
+    controller fails the run here instead of restoring an older checkpoint.
+    """
+    import ray.train
+    from ray.train import CheckpointConsistencyMode
+
+    registered = ray.train.get_all_reported_checkpoints(
+        consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=120)
+    names = {posixpath.basename(r.checkpoint.path.rstrip("/")) for r in registered}
+    newest = posixpath.basename(reported[-1].url.rstrip("/")) if reported else None
+    if newest is not None and newest not in names:
+        raise RuntimeError(f"Ray has not registered checkpoint {newest} after 120 s: {names}")
 
 
 def train_fn(config: dict) -> None:
@@ -59,8 +79,8 @@ def train_fn(config: dict) -> None:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optim.step()
-        # a training step's compute: it leaves the gc after each durable save (on rank 0)
-        # time to run before the next save's pending marker defers it
+        # a training step's compute (workload, not synchronisation): it leaves the gc after
+        # each durable save (on rank 0) time to run before the next save's marker defers it
         time.sleep(config.get("step_s", 0.0))
         if step % config["every"] == 0:
             msd, osd = get_state_dict(model, optim)
@@ -71,7 +91,7 @@ def train_fn(config: dict) -> None:
         marker = os.path.join(out, "killed")
         if step == config.get("kill_at") and rank == 1 and not os.path.exists(marker):
             handles[-1][1].wait(120)
-            time.sleep(3)  # let Ray's controller register the reported checkpoint
+            _wait_until_ray_registered([h for _, h in handles if getattr(h, "persisted", True)])
             open(marker, "w").close()
             os._exit(1)
 

@@ -161,7 +161,7 @@ def peer_fails_job(rank: int, world: int, timeout: float) -> tuple[float, str]:
         if t.tid in (1, 3) and rank == 1:
             os._exit(1)
         if t.tid in (1, 3) and rank == 3:
-            time.sleep(1.5 * timeout)
+            time.sleep(1.5 * timeout)  # workload: a peer silent past the timeout
 
     transfers = [Transfer(1, PIECE, (0, 1)), Transfer(2, 24 << 20, (0, 1)),
                  Transfer(3, PIECE, (2, 3)), Transfer(4, 24 << 20, (2, 3))]

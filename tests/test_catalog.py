@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -17,11 +18,24 @@ from ckptturbo import catalog, cli, lease, runtime
 from ckptturbo.runs import Location
 from ckptturbo.store import Store
 from ckptturbo.testing.launcher import run_distributed
+from tests.waiting import wait_until
 
 
 def tensors(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {f"t{i}": torch.randn(64, 1024, generator=g) for i in range(4)}
+
+
+def blocked_by_gc_lock(caplog: pytest.LogCaptureFixture, polls: int = 2) -> bool:
+    """Wait until a save has found the gc lock fresh ``polls`` times (the debug line
+    ``begin_save`` writes before each pause): it is provably waiting for the gc, so that a
+    "not done yet" check after it tests the lock, not how fast the machine is. Needs
+    ``caplog.set_level(logging.DEBUG, logger="ckptturbo")`` first."""
+    def seen() -> bool:
+        lines = [r.getMessage() for r in list(caplog.records)]
+        return sum("waits for the gc lock" in line for line in lines) >= polls
+
+    return wait_until(seen, timeout=60)
 
 
 def load_equal(url: str, sd: dict) -> bool:
@@ -109,7 +123,7 @@ def test_gcs_of_a_run_in_one_process_take_turns(tmp_path, caplog):
     assert load_equal(str(run / "a"), tensors(4))
 
 
-def test_save_waits_for_running_gc_then_relists(tmp_path):
+def test_save_waits_for_running_gc_then_relists(tmp_path, caplog):
     run = tmp_path / "run"
     sd = tensors(2)
     ct.save(sd, str(run / "a"), pack_threshold=1024).wait(timeout=60)
@@ -129,9 +143,10 @@ def test_save_waits_for_running_gc_then_relists(tmp_path):
         dcp.save(sd, storage_writer=writer)
         done.set()
 
+    caplog.set_level(logging.DEBUG, logger="ckptturbo")
     thread = threading.Thread(target=save)
     thread.start()
-    time.sleep(1.0)
+    assert blocked_by_gc_lock(caplog)
     assert not done.is_set()  # blocked by the fresh gc lock
     # the "gc" deletes every chunk and bumps the generation, then releases its lock
     chunks = list((run / ".ckptturbo" / "chunks").rglob("*"))
@@ -169,14 +184,15 @@ def _hold_gc_lock(run):
     return lock
 
 
-def test_gc_lock_delays_durable_but_not_staged(tmp_path):
+def test_gc_lock_delays_durable_but_not_staged(tmp_path, caplog):
     run = tmp_path / "run"
     sd = tensors(4)
     ct.save(sd, str(run / "a")).wait(timeout=60)
     lock = _hold_gc_lock(run)
+    caplog.set_level(logging.DEBUG, logger="ckptturbo")
     handle = ct.save(sd, str(run / "b"))
     handle.staged.result(timeout=20)  # the copy does not wait for the gc
-    time.sleep(1.0)
+    assert blocked_by_gc_lock(caplog)
     assert not handle.durable.done()  # the uploads and the commit do
     assert [p.name for p in (run / ".ckptturbo" / "pending").iterdir()]  # announced itself
     lock.unlink()
@@ -185,13 +201,14 @@ def test_gc_lock_delays_durable_but_not_staged(tmp_path):
     assert not list((run / ".ckptturbo" / "pending").iterdir())  # the commit cleared it
 
 
-def test_gc_lock_delays_dcp_async_save_upload_but_not_staging(tmp_path):
+def test_gc_lock_delays_dcp_async_save_upload_but_not_staging(tmp_path, caplog):
     run = tmp_path / "run"
     sd = tensors(5)
     lock = _hold_gc_lock(run)
+    caplog.set_level(logging.DEBUG, logger="ckptturbo")
     response = dcp.async_save(sd, storage_writer=ct.TurboWriter(str(run / "a")))
     response.staging_completion.result(timeout=20)
-    time.sleep(1.0)
+    assert blocked_by_gc_lock(caplog)
     assert not response.upload_completion.done()
     lock.unlink()
     response.upload_completion.result(timeout=60)
@@ -212,7 +229,11 @@ def test_fresh_writers_share_the_run_chunk_index_until_a_gc(tmp_path):
     assert load_equal(str(run / "c"), sd)
 
 
-def _save_once(rank: int, world: int, url: str) -> None:
+def _save_once(rank: int, world: int, url: str, log_dir: str) -> None:
+    """One rank's save, its ckptturbo debug log in ``log_dir`` for the test to watch."""
+    handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
+    logging.getLogger("ckptturbo").addHandler(handler)
+    logging.getLogger("ckptturbo").setLevel(logging.DEBUG)
     dcp.save(tensors(7), storage_writer=ct.TurboWriter(url))
 
 
@@ -220,17 +241,21 @@ def test_every_rank_announces_and_the_commit_clears_all_markers(tmp_path):
     run = tmp_path / "run"
     lock = _hold_gc_lock(run)
     pending = run / ".ckptturbo" / "pending"
+    logs = tmp_path / "logs"
+    logs.mkdir()
     done = threading.Event()
 
     def save() -> None:
-        run_distributed(_save_once, 2, str(run / "a"), timeout=240)
+        run_distributed(_save_once, 2, str(run / "a"), str(logs), timeout=240)
         done.set()
+
+    def both_blocked() -> bool:  # each rank found the gc lock fresh twice: it waits for it
+        texts = [p.read_text() for p in logs.glob("rank*.log")]
+        return len(texts) == 2 and all(t.count("waits for the gc lock") >= 2 for t in texts)
 
     thread = threading.Thread(target=save)
     thread.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(pending.glob("*"))) < 2:
-        time.sleep(0.2)
+    assert wait_until(both_blocked, timeout=120, interval=0.2)
     names = sorted(p.name for p in pending.glob("*"))
     assert len(names) == 2 and {n.rsplit(".", 1)[1] for n in names} == {"0", "1"}, names
     assert len({n.rsplit(".", 1)[0] for n in names}) == 1  # one save id, one marker per rank
@@ -286,7 +311,7 @@ def test_gc_skips_checkpoints_deleted_while_it_runs(tmp_path):
     thread.start()
     for name in names[:-1]:  # deleted between gc's listing and its reads
         ct.delete(str(run / name))
-        time.sleep(0.01)
+        time.sleep(0.01)  # workload, not a wait: spreads the deletes over the gcs' runs
     thread.join(120)
     assert not errors, errors
     catalog.collect_garbage(str(run))
@@ -301,12 +326,14 @@ def test_marker_lease_expires_and_heartbeat_keeps_it(tmp_path, monkeypatch):
     catalog.begin_save(run_store, "s1", 0)
     record = json.loads(marker.read_text())
     assert record["lease"] == 0.6
-    time.sleep(1.5)  # longer than the lease: only the heartbeat keeps it fresh
+    # two leases after it was written, the heartbeat has rewritten it: only that keeps it fresh
+    assert wait_until(lambda: json.loads(marker.read_text())["time"] > record["time"] + 1.2)
     with pytest.raises(ct.SaveInProgress):
         catalog.collect_garbage(str(tmp_path / "run"))
     catalog.uploaded(run_store, "s1", 0)  # last renewal; then it holds for one lease
     assert marker.exists()
-    time.sleep(0.8)
+    # no beat renews it any more: it expires one lease after that renewal
+    assert wait_until(lambda: not lease.marker_is_fresh(marker.read_bytes(), time.time()))
     catalog.collect_garbage(str(tmp_path / "run"))  # expired: a dead save
     catalog.end_save(run_store, "s1", [0])
     assert not marker.exists()

@@ -202,6 +202,34 @@ def test_export_safetensors_round_trip(run, tmp_path, capsys, caplog):
     assert all(torch.equal(merged[k], want[k]) for k in ("big", "small", "ids"))
 
 
+def test_export_format_from_the_destination_name(run, tmp_path, capsys):
+    """``export ckpt out.safetensors`` writes that file, no --format needed; a name that says
+    no format needs --format, and --format overrides the name."""
+    from safetensors.torch import load_file
+
+    want = state(1)
+    rc, out, _ = cli(capsys, "export", f"{run}/step-1", str(tmp_path / "out.safetensors"))
+    assert rc == 0 and "out.safetensors" in out
+    got = load_file(tmp_path / "out.safetensors")
+    assert set(got) == {"big", "small", "ids"}
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+    rc, _, _ = cli(capsys, "export", f"{run}/step-1", str(tmp_path / "w.safetensors"),
+                   "--max-shard-size", "1MiB")
+    assert rc == 0
+    with open(tmp_path / "w.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert files == ["w-00001-of-00002.safetensors", "w-00002-of-00002.safetensors"]
+
+    rc, _, err = cli(capsys, "export", f"{run}/step-1", str(tmp_path / "out"))
+    assert rc == 2 and "--format" in err and "out" in err
+    assert not (tmp_path / "out").exists()
+
+    dcp_dir = tmp_path / "as-dcp.safetensors"
+    assert cli(capsys, "export", f"{run}/step-1", str(dcp_dir), "--format", "dcp")[0] == 0
+    assert (dcp_dir / ".metadata").is_file()
+
+
 def test_export_dcp_round_trip(run, tmp_path, capsys, caplog):
     from torch.distributed.checkpoint import FileSystemReader
 

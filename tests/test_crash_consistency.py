@@ -82,7 +82,7 @@ def _run_and_kill(run: str, options: dict | None, delay: float, victim: str, log
     reader.start()
     try:  # the random moment is counted from the first commit (start-up time varies)
         first_commit.wait(120)
-        time.sleep(delay)
+        time.sleep(delay)  # workload: the random moment of the crash
         if victim == "job":  # the launcher starts each worker in a session of its own
             _kill_all(job.pid)
         else:  # one rank dies; the launcher must bring the rest down, not hang
@@ -150,7 +150,9 @@ def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request,
         out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim, logs=tmp_path / "logs")
         names = _check_visible_state(run, options)
         seen_committed += len(names)
-        time.sleep(LEASE)  # the killed ranks' markers expire
+        # not a wait for an event but the protocol's timeout, counted from the kill: after
+        # it every marker and temporary file the dead ranks left is older than their lease
+        time.sleep(LEASE)
         _gc_and_check(run, options)
         assert _check_visible_state(run, options) == names
         # a restarted job saves again next to whatever the crash left, and gc keeps every
@@ -200,7 +202,7 @@ def _kill_gc(run: str, options: dict | None, rng: random.Random) -> bool:
     gc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
     try:
         if rng.random() < 0.5:
-            time.sleep(rng.uniform(0.5, 6.0))
+            time.sleep(rng.uniform(0.5, 6.0))  # workload: a kill at a random moment
         else:
             deadline = time.monotonic() + 60
             while gc.poll() is None and time.monotonic() < deadline:
@@ -255,7 +257,7 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
                     return
-                time.sleep(0.02)
+                time.sleep(0.02)  # workload: a gc every 20 ms beside the save
 
         thread = threading.Thread(target=gc_loop)
         thread.start()
@@ -270,6 +272,6 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
         ct.load(out, f"{run}/trial-{trial}", storage_options=options)
         for key, value in state.items():
             assert torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
-        time.sleep(0.7)  # the last marker's final lease
+        time.sleep(0.7)  # the last marker's final lease (0.6 s): a timeout, not an event
         _gc_and_check(run, options)
         ct.delete(f"{run}/step-3", storage_options=options)

@@ -22,6 +22,7 @@ from botocore.session import get_session
 from ckptturbo.testing.fault_proxy import FaultProxy, Faults, Outage
 from ckptturbo.testing.http_wire import Reader, Writer, copy_chunked
 from ckptturbo.testing.proxy_process import ProxyProcess
+from tests.waiting import wait_until
 
 TIMEOUT_S = 1.0
 BLOB = os.urandom(3 << 20)
@@ -57,10 +58,8 @@ def get(c, bucket: str, key: str) -> bytes:
 def settled_stats(proxy, timeout_s: float = 5.0):
     """The counters once the proxy has booked the last answer: the client holds every byte of
     a response a moment before the proxy's sending thread returns and counts it."""
-    deadline = time.monotonic() + timeout_s
-    while (stats := proxy.stats()).in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return stats
+    wait_until(lambda: not proxy.stats().in_flight, timeout_s)
+    return proxy.stats()
 
 
 def test_passes_requests_through_and_counts_bytes(s3_server, objects):
@@ -258,8 +257,7 @@ def test_outages_switch_on_and_off_while_running(s3_server, objects):
                 ok()
         proxy.set_outage(Outage.NONE)
         assert ok()
-        proxy.set_outage(Outage.REFUSE)
-        time.sleep(0.5)  # the accept loop closes the port within 0.2 s
+        proxy.set_outage(Outage.REFUSE)  # returns once the accept loop has closed the port
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
         fresh = client(proxy.endpoint, s3_server)
@@ -267,8 +265,7 @@ def test_outages_switch_on_and_off_while_running(s3_server, objects):
             get(fresh, s3_server.bucket, objects["small"])
         with pytest.raises((ConnectionClosedError, EndpointConnectionError)):
             ok()  # an open connection is reset at its next request, then refused
-        proxy.set_outage(Outage.NONE)
-        time.sleep(0.5)
+        proxy.set_outage(Outage.NONE)  # returns once the port listens again
         assert ok()  # the same port again
         proxy.set_outage(Outage.BLACK_HOLE)
         with pytest.raises(ReadTimeoutError):
@@ -297,7 +294,7 @@ def test_stop_ends_silent_connections_and_every_thread(s3_server, objects):
     proxy = FaultProxy(s3_server.endpoint, faults=Faults(black_hole=1.0)).start()
     held = socket.create_connection(("127.0.0.1", proxy.port))
     held.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
-    time.sleep(0.3)
+    assert wait_until(lambda: proxy.stats().in_flight == 1)  # read, and held unanswered
     began = time.monotonic()
     proxy.stop()
     assert time.monotonic() - began < 5

@@ -10,6 +10,7 @@ import json
 import os
 import time
 import tracemalloc
+import warnings
 
 import fsspec
 import pytest
@@ -30,6 +31,7 @@ from ckptturbo.stream.format import TensorInfo
 from ckptturbo.stream.nextfile import next_shard
 from ckptturbo.stream.readahead import grid_plan, peak_held, plan_reads
 from ckptturbo.testing.launcher import run_distributed
+from tests.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -244,15 +246,6 @@ def test_single_file_s3_and_missing(s3_server, tmp_path):
         stream_safetensors(url + "/absent.safetensors", storage_options=s3_server.storage_options)
 
 
-def _wait_for(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_reads_go_ahead_by_bytes_not_files_while_the_consumer_waits(tmp_path):
     """A consumer stuck on the first tensor does not stop reads of later files while the
     budget allows them; an explicit lookahead still caps the files."""
@@ -262,12 +255,19 @@ def test_reads_go_ahead_by_bytes_not_files_while_the_consumer_waits(tmp_path):
     stream = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4)
     it = iter(stream)
     next(it)  # then lag: nothing more is consumed
-    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    assert wait_until(lambda: stream.source.counters()["bytes_fetched"] == total)
     stream.close()
     capped = stream_safetensors(str(tmp_path / "m"), chunk_size=MiB, streams=4, lookahead=1)
     it = iter(capped)
     next(it)
-    time.sleep(0.3)  # header GETs (1 MiB each) and the first file only
+    # wait until the window provably holds the reads back: every read of the first file is
+    # in, a pump now issues whatever the bounds allow (a read that just finished may not
+    # have run its own yet), and every read issued has arrived and been counted
+    assert wait_until(lambda: all(r.done.is_set() for r in capped._reads[0]))
+    capped._waiter.start()
+    assert wait_until(lambda: all(r.done.is_set() for reads in capped._reads for r in reads
+                                  if r.reserved))
+    # header GETs (1 MiB each) and the first file only
     assert capped.source.counters()["bytes_fetched"] <= os.path.getsize(files[0]) + 3 * MiB
     capped.close()
 
@@ -276,7 +276,7 @@ def test_start_reads_before_the_first_next(tmp_path):
     want = sharded_model(str(tmp_path / "m"), nshards=2, size=200_000)
     total = sum(os.path.getsize(f) for f in (tmp_path / "m").glob("*.safetensors"))
     stream = stream_safetensors(str(tmp_path / "m"), chunk_size=64 << 10, streams=4).start()
-    assert _wait_for(lambda: stream.source.counters()["bytes_fetched"] == total)
+    assert wait_until(lambda: stream.source.counters()["bytes_fetched"] == total)
     assert_same(dict(stream), want)
 
 
@@ -326,6 +326,29 @@ def test_views_are_read_only_copies_of_nothing_with_the_same_values(tmp_path, ch
         assert b.data_ptr() - a.data_ptr() == a.nbytes
 
 
+@pytest.mark.parametrize("where", ["local", "s3", "cache"])
+def test_views_raise_no_warning_and_stay_views(tmp_path, s3_server, where):
+    """Views are of buffers the stream read into, not of immutable bytes: torch warns of
+    no read-only buffer (any warning fails here), and the tensors are still views (bytes
+    from the disk cache are copied out instead)."""
+    want = sharded_model(str(tmp_path / "m"), size=300_000)
+    url, so = str(tmp_path / "m"), None
+    if where == "s3":
+        url, so = upload_dir(s3_server, url), s3_server.storage_options
+    cache = {"cache_dir": str(tmp_path / "cache")} if where == "cache" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2 if cache else 1):  # the second load reads the cache alone
+            stream = stream_safetensors(url, storage_options=so, chunk_size=4 * MiB,
+                                        streams=3, views=True, **cache)
+            got = dict(stream)
+    assert_same(got, want)
+    if not cache:
+        a, b = got["layer0.w0"], got["layer0.w1"]
+        assert b.data_ptr() - a.data_ptr() == a.nbytes
+    assert stream.stats["cache_hits" if cache else "bytes_fetched"] > 0
+
+
 # --- memory bound --------------------------------------------------------------------------
 
 def test_memory_bound_small_limit_over_8mib_model(tmp_path):
@@ -340,7 +363,7 @@ def test_memory_bound_small_limit_over_8mib_model(tmp_path):
     got = {}
     for name, t in stream:
         got[name] = t
-        time.sleep(0.002)  # a slow consumer: the prefetcher runs ahead as far as it may
+        time.sleep(0.002)  # workload, not a wait: a slow consumer lets the prefetcher run ahead
     assert_same(got, want)
     assert 0 < stream.stats["peak_bytes_held"] <= limit
 
@@ -639,9 +662,7 @@ def test_safe_open_s3_next_shard_not_opened_is_dropped(s3_server, tmp_path, monk
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
         got = {k: f.get_tensor(k) for k in f.keys()}
     ahead = default_runtime()._parked[shards[1]]
-    deadline = time.monotonic() + 10
-    while shards[1] in default_runtime()._parked and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: shards[1] not in default_runtime()._parked, timeout=10)  # parked 0.2 s
     assert shards[1] not in default_runtime()._parked and ahead.budget.held == 0
     # opened with other settings, the shard read ahead is not used; a missing one raises as usual
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:

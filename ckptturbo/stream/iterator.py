@@ -21,8 +21,8 @@ thread and the consumer's thread queues copies to the device, and across ranks i
 out of the ranges (:class:`~.device.Destination`). Tensors larger than a range (or than the
 whole memory limit) are assembled piece by piece straight into their destination.
 ``views=True`` (for consumers that copy each tensor at once, such as vLLM's weight
-loaders) yields read-only views of the ranges instead wherever a tensor lies inside one,
-so each byte is copied once, by the consumer.
+loaders) reads each range into a buffer of its own and yields views of it instead
+wherever a tensor lies inside one, so each byte is copied once, by the consumer.
 
 Order: files in index/listing order (shard names sort naturally), tensors within a file
 by offset. Byte order: safetensors is little-endian, as are the hosts torch runs on.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import replace
 from concurrent.futures import Future
 from typing import Any, Iterable, Iterator, Protocol, Sequence
@@ -51,9 +50,6 @@ from .ranges import cut_reads
 from .source import ByteSource, FileEntry, list_files, open_store
 
 log = logging.getLogger(__name__)
-# views=True wraps immutable ``bytes`` without a copy; they are documented read-only
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=__name__)
 
 
 class Waiter(Protocol):
@@ -177,7 +173,11 @@ class SafetensorsStream:
                     tails[r.index] = data
                 else:
                     r.reserved = True  # its share of the tail's reservation
-                    r.fill(data if self._scatter is None else self._scatter.deliver(r, data))
+                    if self._scatter is not None:
+                        data = self._scatter.deliver(r, data)
+                    elif self.options.views:  # a view needs memory of its own (see _view);
+                        data = bytearray(data)  # a tail is at most one header GET's probe
+                    r.fill(data)
         return tails
 
     def start(self) -> SafetensorsStream:
@@ -201,7 +201,8 @@ class SafetensorsStream:
             return feed
         deliver = (self._scatter.deliver if self._scatter is not None
                    else land if self.device.type == "cuda" else None)
-        fetch = self.source.fetch if deliver is None else self.source.fetch_parts
+        fetch = (self.source.fetch_parts if deliver is not None
+                 else self.source.fetch_writable if self.options.views else self.source.fetch)
         prefetcher = Prefetcher(flat, fetch, self.source.store.submit, self.budget,
                                 streams=self.profile.streams, lookahead=self.profile.lookahead,
                                 deliver=deliver)
@@ -267,6 +268,8 @@ class SafetensorsStream:
         while pos < t.end:
             r = reads[ri]
             held = waiter.wait(r)
+            if isinstance(held, torch.Tensor) and self.device.type != "cuda":
+                held = held.numpy()  # a views=True read (fetch_writable), copied on the CPU
             data = held if isinstance(held, torch.Tensor) else memoryview(held)
             if r.end <= pos:  # a read that only covers a skipped gap
                 waiter.release(r)
@@ -283,7 +286,9 @@ class SafetensorsStream:
 
     def _view(self, t: TensorInfo, reads: list[Read], ri: int,
               waiter: Waiter) -> tuple[torch.Tensor | None, int]:
-        """``t`` as a read-only view of the one read holding it (None if it spans reads)."""
+        """``t`` as a view of the one read holding it; None if it spans reads, or if that
+        read's buffer is immutable (bytes from the cache or a header GET's tail: a view
+        would be a read-only tensor), to be copied instead."""
         while ri < len(reads) and reads[ri].end <= t.start:  # reads of skipped gaps only
             waiter.wait(reads[ri])
             waiter.release(reads[ri])
@@ -291,8 +296,13 @@ class SafetensorsStream:
         if not t.nbytes or ri == len(reads) or reads[ri].end < t.end:
             return None, ri
         r = reads[ri]
-        view = torch.frombuffer(waiter.wait(r), dtype=torch.uint8, count=t.nbytes,
-                                offset=t.start - r.start)  # keeps the read's bytes alive
+        held, at = waiter.wait(r), t.start - r.start
+        if isinstance(held, torch.Tensor):
+            view = held[at:at + t.nbytes]  # keeps the read's bytes alive
+        elif memoryview(held).readonly:
+            return None, ri
+        else:
+            view = torch.frombuffer(held, dtype=torch.uint8, count=t.nbytes, offset=at)
         if r.end == t.end:
             waiter.release(r)
             ri += 1

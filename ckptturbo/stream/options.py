@@ -21,7 +21,7 @@ class StreamOptions:
     waiting, pinned staging buffers); yielded tensors belong to the caller. ``dtype``
     casts floating-point tensors (not FP8); ``names`` restricts the tensors (and the
     bytes read); ``lookahead`` caps how many files ahead reads go (None: as far as
-    ``memory_limit`` allows); ``views`` yields read-only views of the read ranges where a
+    ``memory_limit`` allows); ``views`` yields views of the read ranges where a
     tensor lies in one (no copy: for consumers that copy each tensor at once; a kept view
     pins its range); ``process_group`` (gloo or NCCL) reads once across its ranks; ``cache_dir``
     enables the local-disk cache, ``cache_validate`` re-lists the files to catch changed

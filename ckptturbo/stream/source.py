@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import fsspec
+import torch
 
 from ..errors import CheckpointKindError, CheckpointNotFound, FormatError
 from ..paths import MANIFEST_NAME
@@ -120,6 +121,21 @@ class ByteSource:
 
     def fetch(self, read: Read) -> bytes:
         return self.get(self.entries[read.path], read.start, read.end)
+
+    def fetch_writable(self, read: Read) -> bytes | torch.Tensor:
+        """``read``'s bytes in memory of their own that tensors may view (``views=True``):
+        torch views of immutable ``bytes`` are read-only, which torch warns about. The bytes
+        go straight into a fresh tensor (:meth:`Store.get_into`: no copy more than
+        :meth:`get` makes, none on local disk); through the cache, as the cached ``bytes``,
+        which the iterator copies out of."""
+        if self.cache is not None:
+            return self.fetch(read)
+        out = torch.empty(read.size, dtype=torch.uint8)
+        self.store.get_into(self.entries[read.path].path, memoryview(out.numpy()), read.start)
+        # an object store's read goes out as ranged GETs of read_part_size (see Store)
+        gets = 1 if self.store.is_local else -(-read.size // self.store.read_part_size)
+        self._count(requests=max(1, gets), bytes_fetched=read.size)
+        return out
 
     def fetch_parts(self, read: Read) -> bytes | Parts:
         """``read``'s bytes, as concurrent part GETs when it holds two parts or more (and

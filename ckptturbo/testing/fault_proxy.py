@@ -52,6 +52,7 @@ through at rates below 1.
 Outages (:class:`Outage`), switchable while running, apply to every request: ``SLOW_DOWN``
 answers 503, ``REFUSE`` closes the listening port (connection refused; open connections
 are reset at their next request), ``BLACK_HOLE`` accepts and never answers.
+``set_outage`` returns once the port is as the outage says (closed, or listening again).
 
 ``latency_s`` delays every request before it is forwarded (a first-byte round trip);
 ``conn_rate`` caps each connection in each direction (bytes/s). Everything binds
@@ -192,8 +193,10 @@ class FaultProxy:
         self._decided_faults = 0  # for Faults.limit
         self.stopping = threading.Event()
         self._conns: set[Connection] = set()
-        self._listener = self._listen(port)
-        self.port = self._listener.getsockname()[1]
+        self._port_changed = threading.Condition()  # the listener was closed or opened
+        listener = self._listen(port)
+        self._listener: socket.socket | None = listener
+        self.port = listener.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
                                           name=f"fault-proxy-{self.port}")
         self._started = False
@@ -236,9 +239,20 @@ class FaultProxy:
     def set_faults(self, faults: Faults) -> None:
         self._faults = faults
 
-    def set_outage(self, outage: Outage | str) -> None:
+    def set_outage(self, outage: Outage | str, timeout: float = 10.0) -> None:
+        """Switch the outage; once started, return only when the port is as it says: closed
+        for ``REFUSE``, listening again for the others (the accept loop acts within 0.2 s),
+        so that a caller can test the outage at once instead of sleeping first."""
         self._outage = Outage(outage)
         log.info("fault proxy %d: outage %s", self.port, self._outage.value)
+        listening = self._outage is not Outage.REFUSE
+        with self._port_changed:
+            ready = self._port_changed.wait_for(
+                lambda: (self._listener is not None) == listening or not self._started
+                or self.stopping.is_set(), timeout)
+        if not ready:
+            raise TimeoutError(f"fault proxy {self.port}: the port is not "
+                               f"{'listening' if listening else 'closed'} after {timeout}s")
 
     @property
     def outage(self) -> Outage:
@@ -318,7 +332,9 @@ class FaultProxy:
         it again on the same port unless the outage is REFUSE or the proxy stops)."""
         if self._listener is not None:
             self._listener.close()
-            self._listener = None
+            with self._port_changed:
+                self._listener = None
+                self._port_changed.notify_all()
 
     def _accept_loop(self) -> None:
         while not self.stopping.is_set():
@@ -326,15 +342,19 @@ class FaultProxy:
                 self.close_listener()  # connects now fail with "connection refused"
                 self.stopping.wait(0.05)
                 continue
-            if self._listener is None:
+            listener = self._listener
+            if listener is None:
                 try:
-                    self._listener = self._listen(self.port)
+                    listener = self._listen(self.port)
                 except OSError as exc:  # the port is briefly unavailable: try again
                     log.warning("fault proxy: cannot listen on %d again yet: %s", self.port, exc)
                     self.stopping.wait(0.1)
                     continue
+                with self._port_changed:
+                    self._listener = listener
+                    self._port_changed.notify_all()
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except (socket.timeout, OSError):
                 continue
             client.setblocking(True)
