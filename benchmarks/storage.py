@@ -167,7 +167,8 @@ def storage_ceiling(be: "Backend", total: int = 256 * MiB, object_size: int = 16
     out = {"put_bytes_per_s": n * object_size / put, "get_bytes_per_s": n * object_size / get,
            "object_size": object_size, "workers": workers, "total": n * object_size}
     log.info("  storage ceiling: PUT %.0f MiB/s, GET %.0f MiB/s (%d x %d MiB objects, %d streams)",
-             out["put_bytes_per_s"] / MiB, out["get_bytes_per_s"] / MiB, n, object_size // MiB, workers)
+             out["put_bytes_per_s"] / MiB, out["get_bytes_per_s"] / MiB, n, object_size // MiB,
+             workers)
     return out
 
 
