@@ -187,8 +187,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
 def reseal(doc: dict) -> bytes:
     """The manifest with a checksum matching its (edited) content, as docs/format.md defines it."""
     doc.pop("blake3", None)
-    sealed = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-    doc["blake3"] = blake3.blake3(sealed).hexdigest()
+    canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 

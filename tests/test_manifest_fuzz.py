@@ -25,8 +25,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[Hea
 def seal(doc: object) -> bytes:
     if isinstance(doc, dict):
         doc = {k: v for k, v in doc.items() if k != "blake3"}
-        sealed = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-        doc["blake3"] = blake3.blake3(sealed).hexdigest()
+        canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 

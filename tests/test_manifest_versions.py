@@ -49,8 +49,8 @@ def assert_same(a: object, b: object) -> None:
 
 def seal(doc: dict) -> bytes:
     doc = {k: v for k, v in doc.items() if k != "blake3"}
-    sealed = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-    doc["blake3"] = blake3.blake3(sealed).hexdigest()
+    canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 
