@@ -263,11 +263,7 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
                     return
-<<<<<<< HEAD
-                time.sleep(0.02)  # workload: a gc every 20 ms beside the save
-=======
-                stop.wait(0.02)
->>>>>>> lint-tests
+                stop.wait(0.02)  # workload: a gc every 20 ms beside the save
 
         thread = threading.Thread(target=gc_loop, args=(stop, refused, errors))
         thread.start()
@@ -282,15 +278,10 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
                for k, v in state.items()}
         ct.load(out, f"{run}/trial-{trial}", storage_options=options)
         for key, value in state.items():
-<<<<<<< HEAD
-            assert torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
-        time.sleep(0.7)  # the last marker's final lease (0.6 s): a timeout, not an event
-=======
             if isinstance(value, torch.Tensor):
                 assert torch.equal(out[key], value)
             else:
                 assert out[key] == value
-        time.sleep(0.7)  # the last marker's final lease
->>>>>>> lint-tests
+        time.sleep(0.7)  # the last marker's final lease (0.6 s): a timeout, not an event
         _gc_and_check(run, options)
         ct.delete(f"{run}/step-3", storage_options=options)
