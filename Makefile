@@ -43,8 +43,8 @@ test: $(VENV)/.serving
 # style (ruff), types (mypy on ckptturbo/ and integrations/), then the import contract; the
 # rules live in pyproject.toml. It needs the venv of the tests: mypy checks the adapters
 # against the frameworks they run with. IMPORT_CONTRACT: the command that checks the layers'
-# import contract (DESIGN.md, "Layout and layers").
-IMPORT_CONTRACT ?=
+# import contract (docs/architecture.md: the layers, as tests/test_architecture.py checks them).
+IMPORT_CONTRACT ?= $(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 lint: $(VENV)/.serving
 	$(PY) -m ruff check .
 	$(PY) -m mypy

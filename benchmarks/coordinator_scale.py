@@ -92,9 +92,12 @@ def parameters(m: Model) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(m.layers):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (m.hidden,)),
-                (p + "self_attn.q_proj.weight", (m.hidden, m.hidden)), (p + "self_attn.q_proj.bias", (m.hidden,)),
-                (p + "self_attn.k_proj.weight", (m.kv, m.hidden)), (p + "self_attn.k_proj.bias", (m.kv,)),
-                (p + "self_attn.v_proj.weight", (m.kv, m.hidden)), (p + "self_attn.v_proj.bias", (m.kv,)),
+                (p + "self_attn.q_proj.weight", (m.hidden, m.hidden)),
+                (p + "self_attn.q_proj.bias", (m.hidden,)),
+                (p + "self_attn.k_proj.weight", (m.kv, m.hidden)),
+                (p + "self_attn.k_proj.bias", (m.kv,)),
+                (p + "self_attn.v_proj.weight", (m.kv, m.hidden)),
+                (p + "self_attn.v_proj.bias", (m.kv,)),
                 (p + "self_attn.o_proj.weight", (m.hidden, m.hidden)),
                 (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
                 (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
@@ -150,9 +153,9 @@ def states(model: Model, sharded: bool, world: int) -> dict[int, dict]:
     return out
 
 
-def cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
+def cpu(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.process_time()
-    out = fn()
+    out = fn(*args)
     return out, time.process_time() - t0
 
 
@@ -188,7 +191,19 @@ class Side:
     results: Callable[[int, Any, list, Any], list[WriteResult]]
     intake_save: Callable[[Any, list], Any]
     intake_load: Callable[[Any, Any], Any]
-    grouped: bool = False  # ckptturbo's own planner: one plan per digest (TurboSavePlanner)
+    grouped: bool = False  # ckptturbo's own planners: one plan per digest
+
+
+class SimulatedGroupPlanner(TurboSavePlanner):
+    """TurboSavePlanner whose digest exchange is played by the harness: ``first`` says
+    whether this rank is the first with its digest (the exchange's cost is counted apart)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__(process_group="simulated")
+        self.first = first
+
+    def _is_first(self, digest: str) -> bool:
+        return self.first
 
 
 class SimulatedGroupLoadPlanner(TurboLoadPlanner):
@@ -206,18 +221,6 @@ class SimulatedGroupLoadPlanner(TurboLoadPlanner):
     def _is_first(self, digest: str) -> bool:
         self.digest = digest
         return True
-
-
-class SimulatedGroupPlanner(TurboSavePlanner):
-    """TurboSavePlanner whose digest exchange is played by the harness: ``first`` says
-    whether this rank is the first with its digest (the exchange's cost is counted apart)."""
-
-    def __init__(self, first: bool) -> None:
-        super().__init__(process_group="simulated")
-        self.first = first
-
-    def _is_first(self, digest: str) -> bool:
-        return self.first
 
 
 def dcp_results(rank: int, plan: Any, local_items: list, writer: Any) -> list[WriteResult]:
@@ -241,15 +244,16 @@ def turbo_results(rank: int, plan: Any, local_items: list, writer: Any) -> list[
         flat = torch.empty(n, dtype=torch.uint8, device="meta")
         entries.append(Entry(item.index, flat, list(ranges or [(0, n)]),
                              "bytes" if item.type == WriteItemType.BYTE_IO else "tensor"))
-    layouts = layout_chunks([(i, s, e) for i, entry in enumerate(entries) for s, e in entry.ranges if e > s],
-                            DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD)
-    ids = [hashlib.blake2b(f"{rank}.{k}".encode(), digest_size=32).hexdigest() for k in range(len(layouts))]
-    place(entries, ((lay, cid, True) for lay, cid in zip(layouts, ids)))
-    sizes = {cid: lay.nbytes for lay, cid in zip(layouts, ids)}
+    spans = [(i, s, e) for i, entry in enumerate(entries) for s, e in entry.ranges if e > s]
+    layouts = layout_chunks(spans, DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD)
+    ids = [hashlib.blake2b(f"{rank}.{k}".encode(), digest_size=32).hexdigest()
+           for k in range(len(layouts))]
+    place(entries, ((lay, cid, True) for lay, cid in zip(layouts, ids, strict=True)))
+    sizes = {cid: lay.nbytes for lay, cid in zip(layouts, ids, strict=True)}
     prints = replicas.pack((replicas.item_key(i.index), 7) for i in a.replicated_items(items))
     results = save_plan.encode_results(rank, a.marker_id(writer.url), entries, sizes, prints)
-    return [WriteResult(index=MetadataIndex(save_plan.RESULTS_FQN), size_in_bytes=sum(sizes.values()),
-                        storage_data=results)]
+    return [WriteResult(index=MetadataIndex(save_plan.RESULTS_FQN),
+                        size_in_bytes=sum(sizes.values()), storage_data=results)]
 
 
 def turbo_intake_save(plan: Any, local_items: list) -> Any:
@@ -260,15 +264,16 @@ def turbo_intake_save(plan: Any, local_items: list) -> Any:
 
 SIDES = {
     "ckptturbo": Side("ckptturbo", lambda url: ct.TurboWriter(url),
-                      lambda url: ct.TurboReader(url, broadcast=True), turbo_results, turbo_intake_save,
+                      lambda url: ct.TurboReader(url, broadcast=True), turbo_results,
+                      turbo_intake_save,
                       lambda reader, plan: reader.chain_batch(plan.storage_data)),
     "ckptturbo-own": Side("ckptturbo-own", lambda url: ct.TurboWriter(url),
                           lambda url: ct.TurboReader(url, broadcast=True), turbo_results,
                           turbo_intake_save,
                           lambda reader, plan: reader.chain_batch(plan.storage_data),
                           grouped=True),
-    "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url), dcp_results,
-                lambda plan, items: None, lambda reader, plan: None),
+    "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url),
+                dcp_results, lambda plan, items: None, lambda reader, plan: None),
 }
 
 
@@ -304,15 +309,15 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         writer = writers[rep] = side.writer(url)
         caches.use(rep)
 
-        def planner_step() -> Any:
+        def planner_step(planner: DefaultSavePlanner, writer: Any, rep: int) -> Any:
             writer.reset(url)
             planner.set_up_planner(state_dict=sds[rep], storage_meta=writer.storage_meta(),
                                    is_coordinator=rep == 0)
             writer.set_up_storage_writer(rep == 0, rank=rep, use_collectives=True)
             return planner.create_local_plan()
 
-        plan, t = cpu(planner_step)
-        plan, t2 = cpu(lambda: writer.prepare_local_plan(plan))
+        plan, t = cpu(planner_step, planner, writer, rep)
+        plan, t2 = cpu(writer.prepare_local_plan, plan)
         ledger.cost["local"] += (t + t2) * len(members)
         ledger.planner += t * len(members)
         sent_items[rep] = getattr(planner, "_pending_local_plan", planner.plan).items
@@ -339,8 +344,9 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         rep = rep_of[r]
         caches.use(rep)
         SavePlanner._cached_final_save_plan = finals.setdefault(r, {})
-        final, t = cpu(lambda: planners[rep].finish_plan(plan))
-        _, t2 = cpu(lambda: side.intake_save(final, sent_items[rep]) if final.storage_data else None)
+        final, t = cpu(planners[rep].finish_plan, plan)
+        _, t2 = cpu(lambda final=final, items=sent_items[rep]:
+                    side.intake_save(final, items) if final.storage_data else None)
         ledger.cost["intake"] += t + t2
         ledger.planner += t
         back, _ = ledger.wire("results", side.results(r, final, sent_items[rep], writers[rep]), 1,
@@ -385,19 +391,23 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
     again = [cpu(side.reader(url).read_metadata)[1] for _ in range(2)]
     ledger.cost["metadata"] += sorted([t, *again])[1] * world
     planners, readers, local, made = {}, {}, {}, {}
+
+    def planner_step(planner: DefaultLoadPlanner, rep: int) -> Any:
+        planner.set_up_planner(sds[rep], metadata, rep == 0)
+        return planner.create_local_plan()
+
+    def reader_step(reader: Any, rep: int, plan: Any) -> Any:
+        reader.set_up_storage_reader(metadata, rep == 0, rank=rep, use_collectives=True)
+        return reader.prepare_local_plan(plan)
+
     for rep, members in classes:
         planner = planners[rep] = (SimulatedGroupLoadPlanner() if side.grouped
                                    else DefaultLoadPlanner())
-
-        def planner_step() -> Any:
-            planner.set_up_planner(sds[rep], metadata, rep == 0)
-            return planner.create_local_plan()
-
-        made[rep], t = cpu(planner_step)
+        made[rep], t = cpu(planner_step, planner, rep)
         ledger.cost["local"] += t * len(members)
         ledger.planner += t * len(members)
     firsts = set()
-    if side.grouped:
+    if side.grouped:  # every class has planned: the digest exchange, then each rank's plan
         firsts = _digest_exchange(ledger, world, rep_of,
                                   {rep: planners[rep].digest for rep, _ in classes})
     plans_of: dict[int, Any] = {}  # rank -> the plan it sends, where not its class's
@@ -406,12 +416,7 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         plan = made[rep]
         if side.grouped:
             plan = grouped_plan(planners[rep].local, plan.planner_data.digest, rep in firsts)
-
-        def reader_step(plan: Any) -> Any:
-            reader.set_up_storage_reader(metadata, rep == 0, rank=rep, use_collectives=True)
-            return reader.prepare_local_plan(plan)
-
-        plan, t2 = cpu(lambda: reader_step(plan))
+        plan, t2 = cpu(reader_step, reader, rep, plan)
         ledger.cost["local"] += t2 * len(members)
         others = [r for r in members if (r in firsts) != (rep in firsts)]
         local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
@@ -437,8 +442,8 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
             plan, size = ledger.wire("scatter", obj, times, to_rank=True)
             seen[id(obj)] = (plan, size, ledger.cost["scatter"] - before)
         rep = rep_of[r]
-        final, t = cpu(lambda: planners[rep].finish_plan(plan))
-        _, t2 = cpu(lambda: side.intake_load(readers[rep], final))
+        final, t = cpu(planners[rep].finish_plan, plan)
+        _, t2 = cpu(side.intake_load, readers[rep], final)
         ledger.cost["intake"] += t + t2
         ledger.planner += t
     return ledger
@@ -471,7 +476,8 @@ def run_world(workload: str, world: int, root: str) -> dict[str, Any]:
             "results_bytes": save.sent["results"],
             "metadata_bytes": os.path.getsize(meta),
         }
-        print(f"  {workload} {world} {name}: save {dict(save.cost)} load {dict(load.cost)}", flush=True)
+        print(f"  {workload} {world} {name}: save {dict(save.cost)} load {dict(load.cost)}",
+              flush=True)
     return row
 
 
@@ -482,7 +488,8 @@ def exponent(rows: list[dict], side: str, key: str) -> float:
     if len(xs) < 2:
         return float("nan")
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    return covariance / sum((x - mx) ** 2 for x in xs)
 
 
 def summarise(rows: list[dict]) -> dict[str, Any]:
@@ -494,7 +501,8 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
         out[workload] = {
             "ranks": top["ranks"],
             "total_ratio": t["total_s"] / d["total_s"],
-            "beyond_planner_ratio": (t["total_s"] - t["planner_s"]) / (d["total_s"] - d["planner_s"]),
+            "beyond_planner_ratio": ((t["total_s"] - t["planner_s"])
+                                     / (d["total_s"] - d["planner_s"])),
             "max_plan_ratio": t["max_plan_bytes"] / d["max_plan_bytes"],
             "scatter_exponent": exponent(mine, "ckptturbo", "scatter_bytes"),
             "dcp_scatter_exponent": exponent(mine, "dcp", "scatter_bytes"),
@@ -530,10 +538,10 @@ def scenario(args: Any) -> Report:
                        d["total_s"], "s", target=0.1 if workload.startswith("ddp") else 0.3)
         report.compare(f"{at}: coordinator CPU s, ckptturbo's own planners", own["coordinator_s"],
                        d["coordinator_s"], "s", target=0.1)
-        report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"], "B",
-                       target=1.0)
-        report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0, "x",
-                       peer_name="linear (1.0)", target=1.05)
+        report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"],
+                       "B", target=1.0)
+        report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0,
+                       "x", peer_name="linear (1.0)", target=1.05)
         report.compare(f"{at}: cached save, coordinator CPU s", t["coordinator_again_s"],
                        t["coordinator_s"], "s", peer_name="first save", target=0.1)
         report.compare(f"{at}: manifest bytes", t["metadata_bytes"], d["metadata_bytes"], "B",
@@ -609,8 +617,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"cached save / first (coordinator) {s['cached_save_ratio']:.3f} (<= 0.1), "
               f"manifest {s['manifest_ratio']:.2f}x (<= 1)")
         print(f"  {workload} @ {s['ranks']}, ckptturbo with its own planners / DCP: total "
-              f"{s['own_total_ratio']:.3f}x, coordinator {s['own_coordinator_ratio']:.3f}x; growth "
-              f"exponents: total {s['own_total_exponent']:.2f}, coordinator "
+              f"{s['own_total_ratio']:.3f}x, coordinator {s['own_coordinator_ratio']:.3f}x; "
+              f"growth exponents: total {s['own_total_exponent']:.2f}, coordinator "
               f"{s['own_coordinator_exponent']:.2f}")
     doc = {"rows": rows, "summary": summary}
     if args.json:

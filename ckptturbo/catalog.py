@@ -47,22 +47,20 @@ import contextlib
 import logging
 import os
 import posixpath
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
+from .chunk_store import ChunkStore
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
 from .lease import Heartbeat, marker_is_fresh, pending_lease
 from .manifest import Manifest
 from .paths import CONTROL_DIR, OWN_STORE
 from .runs import Location, RunStore
-from .session import pending_saves, url_key, wait_for_saves
-from .store import TEMP_PREFIX, Store
-
-if TYPE_CHECKING:
-    from .session import Session
+from .runtime import Runtime, gc_turn, pending_saves, resolve, runtime_of, wait_for_saves
+from .store import TEMP_PREFIX
+from .urls import url_key
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ LOCK_WAIT = 600.0
 LOCK_POLL = 0.5
 
 
-def _fresh(store: Store, path: str, now: float) -> bool:
+def _fresh(store: ChunkStore, path: str, now: float) -> bool:
     try:
         return marker_is_fresh(store.get(path), now)
     except CheckpointNotFound:
@@ -85,7 +83,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
     """
     store = run.store
     path = run.pending_path(save_id, rank)
-    store.session.keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
+    runtime_of(store).keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
     deadline = time.monotonic() + wait
     while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
@@ -104,7 +102,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
     """This rank's uploads are done: renew its marker once more and stop the heartbeat.
     The marker now holds for one lease, in which the coordinator commits and removes it."""
-    for beat in run.store.session.take_heartbeats([run.pending_path(save_id, rank)]):
+    for beat in runtime_of(run.store).take_heartbeats([run.pending_path(save_id, rank)]):
         beat.stop(final_beat=True)
 
 
@@ -112,7 +110,7 @@ def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
     """Remove the pending markers of these ranks of a save (absent ones are fine); a
     failure is only logged: it must not fail a committed save."""
     paths = [run.pending_path(save_id, rank) for rank in ranks]
-    for beat in run.store.session.take_heartbeats(paths):
+    for beat in runtime_of(run.store).take_heartbeats(paths):
         beat.stop()  # first: a late heartbeat must not bring a marker back
     try:  # in parallel; every delete is attempted before the first failure is reported
         run.store.delete(paths)
@@ -144,14 +142,15 @@ class CheckpointInfo:
     tiers: tuple[str, ...] = ()  # listed across tiers (tiered_catalog): "memory", "durable"
 
 
-def committed(run_url: str, storage_options: dict[str, Any] | None, session: Session | None,
+def committed(run_url: str, storage_options: dict[str, Any] | None, session: Runtime | None,
               skip: Iterable[str] = ()) -> list[tuple[str, Manifest | FormatError]]:
     """(url, manifest) of every committed checkpoint directly under a run but those named
     in ``skip``, in listing order: one listing, then the manifests read in parallel (one
     after another, an object store's latency per checkpoint is what made listing a long
     run slow). An unreadable manifest comes as its FormatError. A checkpoint deleted
     between the listing and the read is left out: it no longer exists."""
-    store = Store(run_url, storage_options, session=session)
+    session = resolve(session)
+    store = session.open_store(run_url, storage_options)
     left_out = {CONTROL_DIR, *skip}
     names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in left_out]
 
@@ -168,8 +167,9 @@ def committed(run_url: str, storage_options: dict[str, Any] | None, session: Ses
 
 
 def is_committed(url: str, storage_options: dict[str, Any] | None = None, *,
-                 session: Session | None = None) -> bool:
+                 session: Runtime | None = None) -> bool:
     """Whether a committed checkpoint is at ``url``: its manifest is there and verifies."""
+    session = resolve(session)
     try:
         Location(url, storage_options, session=session).read_manifest()
     except CheckpointNotFound:
@@ -179,7 +179,7 @@ def is_committed(url: str, storage_options: dict[str, Any] | None = None, *,
 
 def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None, *,
                      include_unreadable: bool = False, wait: bool = True,
-                     session: Session | None = None) -> list[CheckpointInfo]:
+                     session: Runtime | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints directly under a run, oldest first; uncommitted ones are absent.
 
     A checkpoint whose manifest cannot be read is logged as a warning and left out, or
@@ -206,7 +206,7 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
 
 
 def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *,
-                      session: Session | None = None) -> bool:
+                      session: Runtime | None = None) -> bool:
     """Remove the manifest (which makes the checkpoint cease to exist); chunks in the run's
     store stay for gc, a store of the checkpoint's own goes with it.
 
@@ -218,6 +218,7 @@ def delete_checkpoint(url: str, storage_options: dict[str, Any] | None = None, *
     raises CheckpointNotFound. Returns whether its chunks went with it (self-contained).
     """
     wait_for_saves(url)
+    session = resolve(session)
     location = Location(url, storage_options, session=session)
     own = False
     try:
@@ -274,7 +275,7 @@ class GcReport:
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     dry_run: bool = False, grace_seconds: float = 0.0,
-                    session: Session | None = None) -> GcReport:
+                    session: Runtime | None = None) -> GcReport:
     """Delete chunks of the run's store that no committed checkpoint of the run names, and
     chunks of each self-contained checkpoint's own store that its manifest does not name.
 
@@ -283,6 +284,7 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
     A run without a store of its own (every checkpoint self-contained) gets no lock or
     control file: its directory keeps listing only checkpoints.
     """
+    session = resolve(session)
     run = RunStore.for_run(run_url, storage_options, session=session)
     shared = bool(run.store.list_files(run.pending_dir) or run.store.list_dirs(run.chunks_root))
     report = GcReport(0, 0, 0, 0, dry_run)
@@ -318,7 +320,7 @@ def collect_checkpoint(location: Location, *, dry_run: bool = False,
     lock would write the directory back. The check and the lock come in this process's
     turn for the store, the turn a delete drops it in."""
     run = location.run
-    with _turn(run.store, run.gc_lock):
+    with gc_turn(run.store.url_of(run.gc_lock)):
         if not run.store.list_files(run.control_dir):
             return GcReport(0, 0, 0, 0, dry_run)
         with _gc_lock(run, dry_run):
@@ -341,17 +343,6 @@ def sweep_replaced(location: Location) -> None:
                     "run frees them", location.url, exc)
 
 
-# a store's gc lock URL -> its gcs' turn in this process (re-entrant: collect_checkpoint
-# looks at the store in the turn it then takes the lock in)
-_TURNS: dict[str, threading.RLock] = {}
-_TURNS_GUARD = threading.Lock()
-
-
-def _turn(store: Store, lock_path: str) -> threading.RLock:
-    with _TURNS_GUARD:
-        return _TURNS.setdefault(store.url_of(lock_path), threading.RLock())
-
-
 @contextlib.contextmanager
 def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
     """Hold a store's gc lock (a lease) while chunks are judged and deleted, after this
@@ -361,7 +352,7 @@ def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
     if dry_run:
         yield
         return
-    with _turn(store, run.gc_lock):
+    with gc_turn(store.url_of(run.gc_lock)):
         lock = Heartbeat(store, run.gc_lock, pending_lease(), id=uuid.uuid4().hex)
         try:
             now = time.time()

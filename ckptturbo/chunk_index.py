@@ -1,10 +1,10 @@
-"""Which chunks a run's store already holds, kept by the session across writers.
+"""Which chunks a run's store already holds, kept by the runtime across writers.
 
 The documented pattern builds a fresh ``TurboWriter`` for every ``dcp.save``; listing a
-large store for each of them would cost more than the save. So the session keeps one
+large store for each of them would cost more than the save. So the runtime keeps one
 index per chunk store (keyed by its URL and options), relisted only when the store's gc
 generation changes (a gc may have deleted chunks; see ``catalog``). Chunks this process
-uploads are added as they land. The session's registry is bounded: the least recently
+uploads are added as they land. The runtime's registry is bounded: the least recently
 used index is dropped (it is only a cache: a dropped index is relisted when needed).
 """
 from __future__ import annotations
@@ -49,7 +49,3 @@ class ChunkIndex:
         with self._lock:
             self._known.add(cid)
 
-
-def index_for(run: RunStore) -> ChunkIndex:
-    """The index of this run's chunk store kept by the session that writes to it."""
-    return run.store.session.chunk_index(run.key)

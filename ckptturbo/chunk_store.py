@@ -10,10 +10,17 @@ over the network implements the same five calls.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Iterable, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from .store import ObjectInfo
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object a chunk store holds, as a listing reports it."""
+
+    path: str
+    size: int
+    mtime: float | None
 
 
 @runtime_checkable

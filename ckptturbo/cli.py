@@ -27,7 +27,7 @@ from .integrity import chunk_users, item_chunks, stored_chunk_problem
 from .manifest import Manifest
 from .paths import CONTROL_DIR, MANIFEST_NAME
 from .runs import Location
-from .store import Store
+from .runtime import default_runtime
 from .tiered_catalog import list_tiered
 from .tiers import Tiers
 
@@ -104,7 +104,7 @@ def what_is_at(url: str, storage_options: dict[str, Any] | None) -> str:
     """What a URL that is not what a command wants holds: "checkpoint" (a manifest),
     "dcp" (a plain DCP checkpoint's .metadata), "run" (a chunk store), "missing" (nothing
     stored there) or "other". A missing bucket raises CheckpointNotFound naming it."""
-    store = Store(url, storage_options)
+    store = default_runtime().open_store(url, storage_options)
     store.check_reachable()
     for name, kind in ((MANIFEST_NAME, "checkpoint"), (".metadata", "dcp"), (CONTROL_DIR, "run")):
         if store.exists(store.join(store.root, name)):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
+from . import catalog
 from .errors import CkptTurboError, FormatError
+from .runs import RunStore
+from .runtime import Runtime, resolve
 from .store import TEMP_PREFIX
-
-if TYPE_CHECKING:
-    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +70,14 @@ class Eviction:
 
 
 def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
-          session: Session | None = None) -> Eviction:
+          session: Runtime | None = None) -> Eviction:
     """Bring a memory-tier run within ``budget`` bytes, as far as ``keep`` allows.
 
     An unreadable manifest (a tier damaged at rest) is removed as well: the memory tier is
     a cache, and a manifest that cannot be verified can never be loaded. A gc that finds a
     save in flight frees nothing now; the next eviction frees it.
     """
-    from . import catalog
-    from .runs import RunStore
-
+    session = resolve(session)
     present = RunStore.for_run(run_url, session=session).chunk_ids()
     held, bad = [], []
     for url, manifest in catalog.committed(run_url, None, session):

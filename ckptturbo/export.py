@@ -19,7 +19,7 @@ from .api import load as ct_load
 from .errors import FormatError, StorageError, names_preview
 from .manifest import Manifest
 from .runs import Location
-from .store import Store
+from .runtime import default_runtime
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any]
     if not groups:
         raise FormatError(f"{ckpt} holds no tensors to export")
     directory, stem = safetensors_target(dest_url)
-    dest = Store(directory, storage_options)
+    dest = default_runtime().open_store(directory, storage_options)
     created = datetime.fromtimestamp(manifest.created, timezone.utc).isoformat(timespec="seconds")
     metadata = {"format": "pt", "exported_by": f"ckptturbo {__version__}",
                 "source": ckpt, "source_created": created}

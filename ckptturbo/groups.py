@@ -9,24 +9,31 @@ host buffers they were read into, on a group that carries host memory: the job's
 when it does (gloo, or the gloo side of "cpu:gloo,cuda:nccl"), else a gloo group over
 the same ranks. Saves always get a gloo group of their own, since checkpoint traffic must
 never interleave with the training loop's collectives (that is what makes DCP's own async
-save hang). Each such group is created once per (group, purpose) and kept by the session,
-since creating one is a collective among its ranks.
+save hang). Each such group is created once per (group, purpose) and kept by its owner,
+since creating one is a collective among its ranks: the caller hands the keeper of those
+groups (``ckptturbo.runtime.Runtime``), this module never looks one up.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .retry import seconds_setting
 
-if TYPE_CHECKING:
-    from .session import Session
-
 TRANSPORTS = ("auto", "gloo")
+
+
+class GroupKeeper(Protocol):
+    """Whoever keeps the dedicated gloo groups (``Runtime.gloo_group``): one per group and
+    purpose, made on first use (a collective over the group's ranks)."""
+
+    def gloo_group(self, group: Any, purpose: str) -> Any:
+        """The gloo group over ``group``'s ranks kept for ``purpose``."""
+
 _HOST_BACKENDS = {"gloo", "mpi"}
 
 
@@ -58,8 +65,8 @@ def moves_cuda_tensors(backend: str) -> bool:
 
 def new_gloo_group(group: Any) -> Any:
     """A new gloo group over the ranks of ``group``; only those ranks take part, and each
-    must call this in the same order as its other group creations (sessions keep the
-    groups they make: see ``Session.gloo_group``). Its collectives wait for a silent peer
+    must call this in the same order as its other group creations (runtimes keep the
+    groups they make: see ``Runtime.gloo_group``). Its collectives wait for a silent peer
     as long as the environment's CKPTTURBO_COLLECTIVE_TIMEOUT says (seconds), else
     torch's default for new groups."""
     seconds = seconds_setting("COLLECTIVE_TIMEOUT", None, None, ValueError)
@@ -68,13 +75,13 @@ def new_gloo_group(group: Any) -> Any:
                           timeout=timeout, use_local_synchronization=True)
 
 
-def host_transport_group(group: Any = None, transport: str = "auto", purpose: str = "load",
-                         session: Session | None = None) -> Any:
+def host_transport_group(group: Any = None, transport: str = "auto", purpose: str = "load", *,
+                         keeper: GroupKeeper) -> Any:
     """The group host buffers travel on for a job running on ``group``.
 
     "auto": the job's group itself when it carries CPU tensors (gloo, or a mixed
     "cpu:gloo,cuda:nccl" group), else a dedicated gloo group over its ranks, kept by
-    ``session`` (default: the default session); "gloo": always a dedicated gloo group, so
+    ``keeper``; "gloo": always a dedicated gloo group, so
     chunks never share the training loop's group.
     """
     check_transport(transport)
@@ -82,11 +89,7 @@ def host_transport_group(group: Any = None, transport: str = "auto", purpose: st
         return group
     if transport == "auto" and moves_host_buffers(dist.get_backend(group)):
         return group
-    if session is None:
-        from .session import default_session
-
-        session = default_session()
-    return session.gloo_group(group, purpose)
+    return keeper.gloo_group(group, purpose)
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,8 @@ def transport_kind(backend: str, transport: str, cuda_bytes: int, total_bytes: i
     return "job" if moves_host_buffers(backend) else "gloo"
 
 
-def load_transport(group: Any, transport: str, cuda_bytes: int, total_bytes: int,
-                   session: Session | None = None) -> Transport:
+def load_transport(keeper: GroupKeeper, group: Any, transport: str, cuda_bytes: int,
+                   total_bytes: int) -> Transport:
     """The transport of a grouped load; every rank of ``group`` calls it with its own byte
     counts. Over an NCCL group the counts are summed first (one small all-reduce), so that
     every rank takes the same choice."""
@@ -129,4 +132,5 @@ def load_transport(group: Any, transport: str, cuda_bytes: int, total_bytes: int
     kind = transport_kind(backend, transport, cuda_bytes, total_bytes)
     if kind == "nccl":
         return Transport(kind, group, torch.device("cuda", torch.cuda.current_device()))
-    return Transport(kind, host_transport_group(group, transport, session=session), torch.device("cpu"))
+    return Transport(kind, host_transport_group(group, transport, keeper=keeper),
+                     torch.device("cpu"))

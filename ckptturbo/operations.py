@@ -1,17 +1,15 @@
-"""Save and load as a session runs them: DCP with ckptturbo's writer/reader and its rules.
+"""The public operations, each written once: ``Session``'s methods and ``ct.*`` forward to
+these (their first argument is the session that runs them).
 
-``save`` runs DCP's save on a thread the session tracks, on a dedicated gloo group (created
-once per session), so the caller waits only for ``handle.staged``: the copy of its state
-into host memory. Training collectives and checkpoint collectives never share a group,
-which is what makes DCP's own async save hang when they interleave. Loads wait for a save
-of the same checkpoint in flight in this process first (read-your-writes), check that the
-state fits before any byte is read, and raise only ckptturbo's errors.
+Saves start in the background (``async_save``; with tiers, ``tiered_save``) so the caller
+waits only for ``handle.staged``. Loads wait for a save of the same checkpoint in flight
+in this process first (read-your-writes), check that the state fits before any byte is
+read, and raise only ckptturbo's errors. Deletes, ``exists`` and listings wait for saves
+in flight too, and with ``tiers=`` cover this node's memory tier (``tiered_catalog``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
@@ -19,31 +17,49 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import CkptTurboError, MismatchError, SaveInProgress
-from .failures import as_ckptturbo_error, ckptturbo_errors
+from . import catalog, tiered_catalog
+from .async_save import run_save
+from .errors import CkptTurboError, MismatchError
+from .failures import ckptturbo_errors
 from .planner import TurboLoadPlanner, on_group
 from .reader import TurboReader
-from .session import single_process
-from .staging import SaveHandle, SaveSummary
+from .recovery import recover
+from .runtime import Runtime, single_process, wait_for_saves
+from .staging import SaveHandle
+from .tiered_save import save as tiered_save
 from .tree import unflatten
 
 if TYPE_CHECKING:
+    from .catalog import CheckpointInfo, GcReport
     from .recovery import Recovered
-    from .session import Session
     from .tiers import Tiers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
+def save(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
          collective: bool = True, storage_options: dict[str, Any] | None = None,
          planner: Any = None, wait_previous: bool = True, tiers: Tiers | None = None,
          persist: bool = False, **writer_options: Any) -> SaveHandle:
+    """Save asynchronously; returns at once with ``handle.staged`` / ``handle.durable``.
+
+    Every rank of the group calls it. ``collective=False``: this process saves alone,
+    whatever the other ranks do (the ``if rank == 0: torch.save(...)`` pattern, which is
+    how Lightning checkpoints DDP); a collective save there would wait for ranks that
+    never join. Mutating the state is safe once ``staged`` resolves. A save started while
+    the same writer's previous one is not durable waits for it (``wait_previous=False``:
+    raise SaveInProgress instead). The process may exit right after ``staged``: exit waits
+    for the save to be committed. Failures are ckptturbo errors, delivered by the futures.
+
+    ``tiers=ct.Tiers(...)``: commit to this node's host memory first (``handle.local``) and
+    persist to ``url`` only every ``persist_every``-th save of the run, or with
+    ``persist=True``; ``handle.durable`` then resolves with None for a save that was not
+    persisted (``handle.persisted`` says which). A tiered save waits only for the previous
+    one's ``local``: persists run behind the next saves. See docs/tiers.md.
+    """
     url = str(url)
     if tiers is not None:
-        from .tiered_save import save as tiered_save
-
         with ckptturbo_errors("saving", url):  # a URL without a run, a bad tier setting
             return tiered_save(session, state_dict, url, tiers, persist=persist,
                                process_group=process_group, collective=collective,
@@ -57,75 +73,21 @@ def save(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
                     wait_previous=wait_previous, writer_options=writer_options)
 
 
-def run_save(session: Session, state_dict: dict[str, Any], url: str, target: str,
-             handle: SaveHandle, *, process_group: Any, collective: bool,
-             storage_options: dict[str, Any] | None, planner: Any, wait_previous: bool,
-             writer_options: dict[str, Any],
-             after_commit: Callable[[Any, SaveSummary], None] | None = None) -> SaveHandle:
-    """Run DCP's save of ``state_dict`` to ``target`` on a thread the session tracks as a
-    save of ``url``. Without ``after_commit`` the commit resolves ``durable``; with it (a
-    tiered save, whose target is the memory tier) ``after_commit(group, summary)`` runs on
-    the same thread and resolves the handle's futures. A failure resolves every future
-    not yet resolved with the same ckptturbo error."""
-    with ckptturbo_errors("saving", url):  # options the writer does not take
-        writer = session.writer(target, storage_options, writer_options, collective)
-    previous = [h for h in session.saves_of(writer) if not _gate(h).done()]
-    if previous:
-        if not wait_previous:
-            where = "in host memory" if hasattr(previous[-1], "local") else "durable"
-            raise SaveInProgress(f"the previous save to {previous[-1].url} is not {where} yet")
-        with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            _gate(previous[-1]).exception()
-    group = session.gloo_group(process_group, "save") if collective and dist.is_initialized() else None
-    planner = on_group(planner, group)
-    started = time.monotonic()
-
-    def staged() -> None:
-        if not handle.staged.done():
-            handle.staged.set_result(None)
-
-    def run() -> None:
-        writer.reset(target)
-        writer.on_staged = staged
-        try:
-            try:
-                with single_process(group is None):
-                    dcp.save(state_dict, storage_writer=writer, process_group=group,
-                             planner=planner, no_dist=group is None)
-            finally:  # before after_commit: once it resolves `local`, the next save sets its own
-                writer.on_staged = None
-            stats = writer.last_stats
-            summary = SaveSummary(
-                url=url, bytes_total=stats.bytes_written + stats.bytes_reused,
-                bytes_staged=stats.bytes_staged, bytes_written=stats.bytes_written,
-                bytes_reused=stats.bytes_reused, chunks_written=stats.chunks_written,
-                chunks_reused=stats.chunks_reused,
-                seconds={"stage": stats.seconds_stage, "durable": time.monotonic() - started})
-            staged()
-            if after_commit is None:
-                handle.durable.set_result(summary)
-            else:
-                after_commit(group, summary)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the futures
-            error = as_ckptturbo_error(exc, url, "saving")
-            for future in (handle.staged, getattr(handle, "local", None),
-                           getattr(handle, "replicated", None), handle.durable):
-                if future is not None and not future.done():
-                    future.set_exception(error)
-
-    session.track(url, handle, writer, run)
-    return handle
-
-
-def _gate(handle: SaveHandle) -> Any:
-    """The future a save's successor through the same writer waits for: its commit to the
-    writer's target (``durable``; for a tiered save ``local``, its persist runs behind)."""
-    return getattr(handle, "local", handle.durable)
-
-
-def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
+def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
          storage_options: dict[str, Any] | None = None, planner: Any = None, strict: bool = True,
          tiers: Tiers | None = None, **reader_options: Any) -> Recovered | None:
+    """Load in place, like ``dcp.load`` with a TurboReader, after checking the state fits.
+
+    strict=True (as in ``nn.Module.load_state_dict``) makes keys missing on either side an
+    error; strict=False loads what both have in common. Shapes must match; dtypes need not:
+    values are cast into the state dict's tensors, as ``dcp.load`` and
+    ``nn.Module.load_state_dict`` do. A save of ``url`` in flight in this process is
+    waited for first.
+
+    ``tiers=ct.Tiers(...)``: ``url`` is a checkpoint or a run; the newest checkpoint that
+    this node's memory tier and the durable store can assemble is loaded, each chunk from
+    the nearest holder, and a ``Recovered`` says which one (docs/tiers.md).
+    """
     url = str(url)
 
     def attempt(reader: TurboReader) -> None:
@@ -135,7 +97,7 @@ def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
             dcp.load(state_dict, storage_reader=reader, process_group=process_group,
                      planner=on_group(planner, _load_group(process_group))
                      if planner is not None else TurboLoadPlanner(_load_group(process_group),
-                                           allow_partial_load=not strict),
+                                                                  allow_partial_load=not strict),
                      no_dist=not dist.is_initialized())
 
     if tiers is None:
@@ -145,10 +107,21 @@ def load(session: Session, state_dict: dict[str, Any], url: Any, *, process_grou
     return _recover(session, url, tiers, storage_options, group, attempt, reader_options)[1]
 
 
-def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, Any] | None = None,
+def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, Any] | None = None,
                     device: Any = "cpu", process_group: Any = None, grouped: bool = True,
                     allow_pickle: bool = False, templates: dict[str, Any] | None = None,
                     tiers: Tiers | None = None, **reader_options: Any) -> dict[str, Any]:
+    """The whole state dict of a checkpoint, nested as it was saved; no template needed.
+
+    Tensors are allocated on ``device`` from the manifest's shapes and dtypes; objects load
+    with torch's restricted unpickler unless ``allow_pickle`` (trusted checkpoints only).
+    Inside a process group with ``grouped=True`` every rank of it must call this, and each
+    chunk is read from storage once and forwarded; ``grouped=False`` reads from this
+    process alone. ``templates`` maps flat keys (as ``ckptturbo inspect`` lists them) to
+    tensors to fill in place, such as a sharded model's own DTensors, so that each rank
+    reads only its shards. ``tiers=``: as for :func:`load` (the newest checkpoint the tiers
+    can assemble when ``url`` is a run).
+    """
     url = str(url)
     use_group = grouped and dist.is_available() and dist.is_initialized()
     group = process_group if use_group else None
@@ -179,6 +152,50 @@ def load_state_dict(session: Session, url: Any, *, storage_options: dict[str, An
                     dict(reader_options, process_group=group, allow_pickle=allow_pickle))[0]
 
 
+def delete(session: Runtime, url: Any, *, storage_options: dict[str, Any] | None = None,
+           tiers: Tiers | None = None) -> None:
+    """Make a checkpoint cease to exist; ``ckptturbo gc`` later frees its unshared chunks.
+    A save of it in flight in this process is waited for first; a missing one raises
+    CheckpointNotFound. ``tiers=``: from this node's memory tier too."""
+    if tiers is not None:
+        tiered_catalog.delete_tiered(str(url), storage_options, tiers, session=session)
+        return
+    catalog.delete_checkpoint(str(url), storage_options, session=session)
+
+
+def exists(session: Runtime, url: Any, *, storage_options: dict[str, Any] | None = None,
+           tiers: Tiers | None = None) -> bool:
+    """Whether a committed checkpoint is at ``url`` (a save of it in flight is waited for);
+    ``tiers=``: at ``url`` or in this node's memory tier."""
+    if tiers is not None:
+        return tiered_catalog.exists_tiered(str(url), storage_options, tiers, session=session)
+    wait_for_saves(url)
+    return catalog.is_committed(str(url), storage_options, session=session)
+
+
+def list_checkpoints(session: Runtime, run_url: Any, *,
+                     storage_options: dict[str, Any] | None = None, wait: bool = True,
+                     tiers: Tiers | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints directly under a run, oldest first; saves in flight in this
+    process under it are waited for, or with ``wait=False`` listed last as ``pending``.
+    ``tiers=``: those only in this node's memory tier too, each with the tiers that hold it."""
+    if tiers is not None:
+        return tiered_catalog.list_tiered(str(run_url), storage_options, tiers, wait=wait,
+                                          session=session)
+    return catalog.list_checkpoints(str(run_url), storage_options, wait=wait, session=session)
+
+
+def collect_garbage(session: Runtime, run_url: Any, *,
+                    storage_options: dict[str, Any] | None = None, dry_run: bool = False,
+                    grace_seconds: float = 0.0) -> GcReport:
+    """Free the run's chunks that no committed checkpoint names (``ckptturbo gc``), and
+    those of self-contained checkpoints that their manifest does not name; returns a
+    ``GcReport``. Raises SaveInProgress while a save of the run holds its marker (a later
+    gc frees them), FormatError while a manifest of the run is unreadable."""
+    return catalog.collect_garbage(str(run_url), storage_options, dry_run=dry_run,
+                                   grace_seconds=grace_seconds, session=session)
+
+
 def _load_group(process_group: Any) -> Any:
     """The group dcp.load runs on (its default: the world), for ckptturbo's load planner;
     None without one (the planner then plans as DCP's)."""
@@ -187,12 +204,10 @@ def _load_group(process_group: Any) -> Any:
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def _recover(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
+def _recover(session: Runtime, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
              group: Any, attempt: Callable[[Any], T], reader_options: dict[str, Any]
              ) -> tuple[T, Recovered]:
     """A tiered load: the newest checkpoint the tiers can assemble (``recovery``)."""
-    from .recovery import recover
-
     with ckptturbo_errors("loading", url):
         result, recovered = recover(session, url, tiers, storage_options=storage_options,
                                     group=group, attempt=attempt, reader_options=reader_options)
@@ -202,7 +217,7 @@ def _recover(session: Session, url: str, tiers: Tiers, storage_options: dict[str
     return result, recovered
 
 
-def _reader(session: Session, url: str, storage_options: dict[str, Any] | None,
+def _reader(session: Runtime, url: str, storage_options: dict[str, Any] | None,
             **options: Any) -> TurboReader:
     with ckptturbo_errors("loading", url):  # options the reader does not take
         return TurboReader(url, storage_options, session=session, **options)

@@ -15,27 +15,17 @@ durable store holds every chunk the manifest names before it writes the manifest
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from . import catalog
-from .chunk_index import index_for
 from .chunk_store import ChunkStore
 from .errors import IntegrityError, StorageError, names_preview
 from .integrity import chunk_problem
 from .manifest import Manifest
+from .results import SaveStats
 from .runs import Location, RunStore
+from .runtime import index_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Copied:
-    """What one node's part of a persist uploaded and what the durable store already had."""
-
-    chunks_written: int = 0
-    bytes_written: int = 0
-    chunks_reused: int = 0
-    bytes_reused: int = 0
 
 
 def copy_chunk(cid: str, size: int, source: ChunkStore, source_path: str, target: ChunkStore,
@@ -50,7 +40,7 @@ def copy_chunk(cid: str, size: int, source: ChunkStore, source_path: str, target
 
 
 def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, ours: list[str],
-                save_id: str, rank: int) -> Copied:
+                save_id: str, rank: int) -> SaveStats:
     """Upload those of ``ours`` (this node's share of the manifest's chunks) that the
     durable store lacks. Announced by a pending marker (``rank``'s) that the commit removes."""
     generation = catalog.begin_save(durable, save_id, rank)
@@ -70,8 +60,9 @@ def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, ours: l
         raise
     catalog.uploaded(durable, save_id, rank)
     written = sum(manifest.chunks[c] for c in todo)
-    return Copied(len(todo), written, len(ours) - len(todo),
-                  sum(manifest.chunks[c] for c in ours) - written)
+    return SaveStats(chunks_written=len(todo), bytes_written=written,
+                     chunks_reused=len(ours) - len(todo),
+                     bytes_reused=sum(manifest.chunks[c] for c in ours) - written)
 
 
 def commit(location: Location, manifest: Manifest, save_id: str, ranks: list[int]) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,11 +39,8 @@ from .plan.digests import PlanDigest
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
 from .runs import Location
-from .session import wait_for_saves
+from .runtime import Runtime, resolve, wait_for_saves
 from .staging import DeviceCopier, as_uint8
-
-if TYPE_CHECKING:
-    from .session import Session
 
 
 class LocalReads(NamedTuple):
@@ -105,7 +102,7 @@ class TurboReader(StorageReader):
             ``torch.serialization.add_safe_globals`` allows) and hands the planner a fresh
             serialisation of what that produced, or refuses the object with ``FormatError``.
             True hands the stored bytes over unchecked.
-        session: the ``ckptturbo.Session`` whose I/O threads and gloo groups this reader
+        session: the ``ckptturbo.Session`` (a runtime) whose I/O threads and gloo groups this reader
             uses (default: the process's default session).
 
     A save of the same checkpoint in flight in this process (any session) is waited for
@@ -128,7 +125,7 @@ class TurboReader(StorageReader):
         allow_pickle: bool = False,
         process_group: Any = None,
         transport: str = "auto",
-        session: Session | None = None,
+        session: Runtime | None = None,
     ) -> None:
         self._session = session
         self.url = str(url)
@@ -196,11 +193,18 @@ class TurboReader(StorageReader):
     def read_manifest(self) -> Manifest:
         if self._manifest is None:
             wait_for_saves(self.url)
-            manifest = Location(self.url, self.storage_options, session=self._session).read_manifest()
+            location = Location(self.url, self.storage_options, session=self.runtime)
+            manifest = location.read_manifest()
             self._location = Location.for_manifest(self.url, self.storage_options, manifest,
-                                                   session=self._session)
+                                                   session=self.runtime)
             self._manifest = manifest
         return self._manifest
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime whose I/O threads and gloo groups this reader uses (the default one unless
+        given; an unpickled reader uses its process's default)."""
+        return resolve(self._session)
 
     @property
     def location(self) -> Location:
@@ -377,8 +381,8 @@ class TurboReader(StorageReader):
                 arrivals.put(cid, data)
 
         cuda_bytes = sum(j.end - j.start for j in jobs if j.target is not None and j.target.is_cuda)
-        transport = load_transport(self.process_group, self.transport, cuda_bytes,
-                                   sum(j.end - j.start for j in jobs), self._session)
+        transport = load_transport(self.runtime, self.process_group, self.transport, cuda_bytes,
+                                   sum(j.end - j.start for j in jobs))
         self.transport_used = transport
         into = in_place_targets(jobs, self._chunk_sizes, transport.device)
         copier = DeviceCopier()

@@ -39,11 +39,12 @@ from .paths import MANIFEST_NAME
 from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader
 from .runs import Location
-from .session import wait_for_saves
-from .tiers import Tiers, split_checkpoint
+from .runtime import wait_for_saves
+from .tiers import Tiers
+from .urls import split_checkpoint
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .runtime import Runtime
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,23 +173,24 @@ class TieredReader(TurboReader):
         if self._manifest is None:
             wait_for_saves(self.url)
             try:
-                self._use(Location(self.memory_url, session=self._session).read_manifest(), MEMORY)
+                self._use(Location(self.memory_url, session=self.runtime).read_manifest(), MEMORY)
             except (CheckpointNotFound, FormatError) as exc:
                 if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
                     log.warning("%s; reading the durable copy of %s instead", exc, self.url)
-                self._use(Location(self.url, self.storage_options, session=self._session).read_manifest(),
-                          DURABLE)
+                durable = Location(self.url, self.storage_options, session=self.runtime)
+                self._use(durable.read_manifest(), DURABLE)
         return self._manifest
 
     def _use(self, manifest: Manifest, tier: str) -> None:
         self._manifest, self.manifest_tier = manifest, tier
         # the durable side of the checkpoint: where chunks memory lacks are read
-        self._location = Location.for_manifest(self.url, self.storage_options, manifest, session=self._session)
+        self._location = Location.for_manifest(self.url, self.storage_options, manifest,
+                                               session=self.runtime)
 
     @property
     def chunks(self) -> TieredChunkSource:
         if self._source is None:
-            memory = Location(self.memory_url, session=self._session)
+            memory = Location(self.memory_url, session=self.runtime)
             self._source = TieredChunkSource(self.location, self.read_manifest(), self.url,
                                              self.verify_mode, memory, self.location)
         return self._source  # type: ignore[return-value]
@@ -205,7 +207,7 @@ class TieredReader(TurboReader):
         """The stored bytes of the manifest in this node's memory tier, to hand to ranks
         whose node lacks it; None when they cannot be read (those ranks then read the
         tiers themselves: this rank must take part in the hand-over either way)."""
-        memory = Location(self.memory_url, session=self._session)
+        memory = Location(self.memory_url, session=self.runtime)
         try:
             return memory.store.get(memory.manifest_path)
         except (CkptTurboError, OSError) as exc:
@@ -216,7 +218,7 @@ class TieredReader(TurboReader):
         """Keep the manifest another rank read (checked against its own checksum) in this
         node's memory tier and read it from there: the chunks a peer copies in for it must
         be named by a manifest there, or the tier's next gc would free them."""
-        memory = Location(self.memory_url, session=self._session)
+        memory = Location(self.memory_url, session=self.runtime)
         Manifest.from_bytes(data, f"{memory.url}/{MANIFEST_NAME}")
         memory.store.put(memory.manifest_path, data)
         self._manifest = None
@@ -230,7 +232,7 @@ class TieredReader(TurboReader):
         return super().prepare_local_plan(plan)
 
 
-def recover(session: Session, url: str, tiers: Tiers, *, storage_options: dict[str, Any] | None,
+def recover(session: Runtime, url: str, tiers: Tiers, *, storage_options: dict[str, Any] | None,
             group: Any, attempt: Callable[[TieredReader], T], reader_options: dict[str, Any]
             ) -> tuple[T, Recovered]:
     """Run ``attempt`` (a load through a reader) on the newest checkpoint the ranks of
@@ -323,7 +325,7 @@ class _Found:
     in_memory: frozenset[str]
 
 
-def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
+def _candidates(session: Runtime, url: str, tiers: Tiers, storage_options: dict[str, Any] | None,
                 lists_durable: bool) -> _Found:
     """What this rank can find: ``url`` alone
     when a tier holds a manifest there (readable or not: the load decides), else every
@@ -354,7 +356,7 @@ def _candidates(session: Session, url: str, tiers: Tiers, storage_options: dict[
     return _Found(run, found, False, node, in_memory)
 
 
-def _durable_checkpoints(session: Session, run: str, storage_options: dict[str, Any] | None,
+def _durable_checkpoints(session: Runtime, run: str, storage_options: dict[str, Any] | None,
                          known: Iterable[str]) -> dict[str, float]:
     """{name: created} of the durable run's committed checkpoints that are not in
     ``known`` (a name this node's memory holds is the same checkpoint, persisted: its

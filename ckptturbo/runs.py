@@ -13,7 +13,7 @@ from .errors import CheckpointExists, CheckpointNotFound, FormatError
 from .manifest import Manifest
 from .paths import (CHUNKS_DIR, CONTROL_DIR, GC_GENERATION, GC_LOCK, MANIFEST_NAME, OWN_STORE,
                     PENDING_DIR, READS_OF_A_DAMAGED_OBJECT, RUN_STORE, chunk_relpath)
-from .store import Store
+from .store import IOPools, Store
 
 MAX_MANIFEST_BYTES = 1 << 30  # a larger manifest is refused unread
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class RunStore:
 
     @classmethod
     def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None, *,
-                session: Any = None) -> "RunStore":
+                session: IOPools | None = None) -> "RunStore":
         """The chunk store of the run at ``run_url`` (the parent of its checkpoints)."""
         store = Store(run_url, storage_options, session=session)
         return cls(store, store.root)
@@ -66,7 +66,7 @@ class Location:
     ``OWN_STORE`` for a store inside the checkpoint's directory, else the store's URL."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 store_url: str | None = None, *, session: Any = None) -> None:
+                 store_url: str | None = None, *, session: IOPools | None = None) -> None:
         self.url = str(url)
         self.storage_options = storage_options
         self.store = Store(self.url, storage_options, session=session)
@@ -90,7 +90,7 @@ class Location:
 
     @classmethod
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
-                     manifest: Manifest, *, session: Any = None) -> "Location":
+                     manifest: Manifest, *, session: IOPools | None = None) -> "Location":
         """The location a committed manifest points at (its chunk store may be elsewhere)."""
         return cls(url, storage_options, manifest.chunk_store, session=session)
 

@@ -15,11 +15,13 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from .results import SaveSummary
 
 DEFAULT_POOL_FRACTION_OF_RAM = 0.25
 MAX_DEFAULT_POOL_BYTES = 8 << 30
@@ -253,20 +255,6 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
-
-
-@dataclass
-class SaveSummary:
-    """What a save did, for logs and for ``ckptturbo inspect``-style reporting."""
-
-    url: str
-    bytes_total: int = 0
-    bytes_staged: int = 0
-    bytes_written: int = 0
-    bytes_reused: int = 0
-    chunks_written: int = 0
-    chunks_reused: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class SaveHandle:

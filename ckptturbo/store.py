@@ -21,20 +21,37 @@ import os
 import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from .chunk_store import ObjectInfo
 from .errors import CheckpointNotFound, ShortReadError, StorageError
 from .retry import RetryPolicy, is_past_the_end
 
-if TYPE_CHECKING:
-    from .session import Session
-
 T = TypeVar("T")
+
+
+class IOPools(Protocol):
+    """What a store needs from its owner (``ckptturbo.runtime.Runtime``): the I/O thread
+    pool of an endpoint, shared by every store the owner opens on it."""
+
+    def executor(self, key: tuple, workers: int) -> ThreadPoolExecutor:
+        """The pool of ``key`` (an endpoint) with ``workers`` threads, made on first use."""
+
+
+_default_owner: Callable[[], IOPools] | None = None
+
+
+def use_default_owner(find: Callable[[], IOPools]) -> None:
+    """Hand this layer the process's default runtime (``ckptturbo.runtime`` does, once, at
+    its import): the owner of the I/O of stores opened without one. The store never
+    looks a runtime up itself: the runtime sits above it."""
+    global _default_owner
+    _default_owner = find
+
 
 # A local write goes to a file of this name beside its target, then is renamed over it
 TEMP_PREFIX = ".tmp-"
@@ -77,13 +94,6 @@ def all_results(futures: Iterable[Future[T]]) -> list[T]:
     return results
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
-    path: str
-    size: int
-    mtime: float | None
-
-
 class Store:
     """A storage location reached through fsspec, with retries and bounded parallelism.
 
@@ -108,7 +118,7 @@ class Store:
         request_timeout: float | None = None,
         deadline: float | None = None,
         outage_cooldown: float | None = None,
-        session: Session | None = None,
+        session: IOPools | None = None,
     ) -> None:
         self._session = session
         self.url = str(url)
@@ -142,8 +152,8 @@ class Store:
                                   request_timeout=request_timeout, deadline=deadline,
                                   outage_cooldown=outage_cooldown)
 
-    # --- pickling: DCP's PROCESS async mode pickles writers; filesystems and the session stay
-    # behind (the other process uses its own default session)
+    # --- pickling: filesystems and the runtime stay behind (the unpickling process's own
+    # runtime opens the store again)
     def __getstate__(self) -> dict[str, Any]:
         policy = self.policy
         return {"url": self.url, "storage_options": self.storage_options,
@@ -178,12 +188,16 @@ class Store:
 
     # --- execution helpers
     @property
-    def session(self) -> Session:
-        """The session that owns this store's I/O threads (the default one unless given)."""
+    def session(self) -> IOPools:
+        """The runtime that owns this store's I/O threads: the one that opened it
+        (``Runtime.open_store``), else the process's default runtime (a store built
+        directly, or unpickled), as handed to :func:`use_default_owner`."""
         if self._session is None:
-            from .session import default_session
-
-            self._session = default_session()
+            if _default_owner is None:
+                raise StorageError(f"no runtime runs the I/O of the store of {self.url!r} "
+                                   "(import ckptturbo.runtime, or open it with "
+                                   "Runtime.open_store)")
+            self._session = _default_owner()
         return self._session
 
     @property

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 from .catalog import (CheckpointInfo, collect_garbage, delete_checkpoint, is_committed,
                       list_checkpoints)
 from .errors import CheckpointNotFound, CkptTurboError
-from .session import wait_for_saves
-from .tiers import Tiers, split_checkpoint
+from .runtime import wait_for_saves
+from .tiers import Tiers
+from .urls import split_checkpoint
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ MEMORY, DURABLE = "memory", "durable"
 
 def list_tiered(run_url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
                 include_unreadable: bool = False, wait: bool = True,
-                session: Session | None = None) -> list[CheckpointInfo]:
+                session: Runtime | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints of a run in this node's memory tier or the durable store, oldest
     first, each once, with its durable URL and ``tiers`` saying which of the two hold it (a
     checkpoint only in memory is not durable). Saves in flight in this process are waited
@@ -59,7 +60,7 @@ def list_tiered(run_url: str, storage_options: dict[str, Any] | None, tiers: Tie
 
 
 def exists_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
-                  session: Session | None = None) -> bool:
+                  session: Runtime | None = None) -> bool:
     """Whether a committed checkpoint is at ``url`` in this node's memory tier or the durable
     store, once a save of it in flight in this process has ended."""
     wait_for_saves(url)
@@ -68,7 +69,7 @@ def exists_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers
 
 
 def delete_tiered(url: str, storage_options: dict[str, Any] | None, tiers: Tiers, *,
-                  session: Session | None = None) -> None:
+                  session: Runtime | None = None) -> None:
     """Delete a checkpoint from this node's memory tier and from the durable store, from
     each that holds it (a save of it in flight is waited for first), and free the memory
     tier's chunks it alone named; raises CheckpointNotFound when neither holds it."""
@@ -93,7 +94,7 @@ def _places(url: str, storage_options: dict[str, Any] | None,
     return (tiers.memory_url(url), None), (url, storage_options)
 
 
-def _free_memory(memory_run: str, session: Session | None) -> None:
+def _free_memory(memory_run: str, session: Runtime | None) -> None:
     """Free the memory tier's chunks no checkpoint names; with a save of the run in flight
     gc must leave them, and the eviction after that save's commit frees them."""
     try:

@@ -29,26 +29,25 @@ import contextlib
 import dataclasses
 import logging
 import time
-import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from . import eviction, peers, persist
 from .agreement import agree
+from .async_save import run_save
 from .errors import CkptTurboError
 from .failures import as_ckptturbo_error
 from .manifest import Manifest
 from .paths import MANIFEST_NAME, RUN_STORE
 from .peers import Nodes, Replicated
+from .results import SaveStats, SaveSummary
 from .runs import Location
-from .session import pending_saves
-from .staging import SaveHandle, SaveSummary
-from .tiers import Tiers, split_checkpoint
-
-if TYPE_CHECKING:
-    from .session import Session
+from .runtime import Runtime, pending_saves
+from .staging import SaveHandle
+from .tiers import Tiers
+from .urls import split_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +87,11 @@ class TieredSaveHandle(SaveHandle):
         return f"TieredSaveHandle({self.url!r}, {state}, persisted={self.persisted})"
 
 
-def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *,
+def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *,
          persist: bool, process_group: Any, collective: bool,
          storage_options: dict[str, Any] | None, planner: Any, wait_previous: bool,
          writer_options: dict[str, Any]) -> TieredSaveHandle:
     """``ct.save(..., tiers=...)``: see the module docstring."""
-    from .operations import run_save
-
     run_url, name = split_checkpoint(url)
     memory_url = tiers.memory_url(url)
     if writer_options.get("store", RUN_STORE) not in (None, RUN_STORE):
@@ -160,11 +157,11 @@ def save(session: Session, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
              collective=collective, storage_options=None, planner=planner,
              wait_previous=wait_previous, writer_options=writer_options, after_commit=after_commit)
-    _LATEST.setdefault(session, {})[run_url] = handle  # started: its futures will resolve
+    session.started(run_url, handle)  # started: its futures will resolve
     return handle
 
 
-def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) -> None:
+def _after(session: Runtime, run_url: str, handle: TieredSaveHandle, step: str) -> None:
     """Wait until the run's earlier saves have done ``step`` ("replicated", or "durable"
     for those persisted): one replication and one persist at a time, in save order on
     every rank, because each kind shares one group."""
@@ -174,7 +171,7 @@ def _after(session: Session, run_url: str, handle: TieredSaveHandle, step: str) 
                 getattr(older, step).exception()
 
 
-def _evict(session: Session, run_url: str, tiers: Tiers, keep: set[str],
+def _evict(session: Runtime, run_url: str, tiers: Tiers, keep: set[str],
            finishing: TieredSaveHandle | None = None) -> bool:
     """Evict the oldest checkpoints of this node's memory tier beyond its budget, keeping
     ``keep`` and the saves in flight but ``finishing`` (whose work is done but for this);
@@ -188,10 +185,7 @@ def _evict(session: Session, run_url: str, tiers: Tiers, keep: set[str],
         return False
 
 
-_LATEST: weakref.WeakKeyDictionary[Session, dict[str, TieredSaveHandle]] = weakref.WeakKeyDictionary()
-
-
-def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
+def _bound_the_backlog(session: Runtime, run_url: str, handle: TieredSaveHandle,
                        wait_previous: bool) -> None:
     """Replications and persists do not pile up past the memory budget: when the previous
     save's eviction left this node's tier over its budget, because checkpoints still being
@@ -203,7 +197,7 @@ def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
     Only node leaders evict, so only they know: the node's other ranks wait for them in
     the save's first collective. With ``wait_previous=False`` nothing waits (a refusal
     on the leaders alone would leave the other ranks in that collective)."""
-    previous = _LATEST.get(session, {}).get(run_url)
+    previous = session.latest(run_url)
     if previous is None or not wait_previous:
         return
     with contextlib.suppress(Exception):  # its failure belongs to its own handle
@@ -222,7 +216,7 @@ def _bound_the_backlog(session: Session, run_url: str, handle: TieredSaveHandle,
                 handle.url, time.monotonic() - started, what, pinned.url)
 
 
-def _older(session: Session, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
+def _older(session: Runtime, run_url: str, handle: TieredSaveHandle) -> list[TieredSaveHandle]:
     """The run's earlier tiered saves of this session still in flight, oldest first."""
     return [h for h in session.saves_in_flight(run_url, under=True)
             if isinstance(h, TieredSaveHandle) and h.sequence < handle.sequence]
@@ -259,7 +253,7 @@ def _commit_on_node(memory: Location, data: bytes, ranks: Nodes) -> None:
     run.store.delete([info.path for info in run.store.list_files(run.pending_dir)])
 
 
-def _persist(session: Session, url: str, memory: Location, manifest: Manifest, ranks: Nodes,
+def _persist(session: Runtime, url: str, memory: Location, manifest: Manifest, ranks: Nodes,
              storage_options: dict[str, Any] | None, local: SaveSummary, started: float,
              held: dict[str, set[str]] | None) -> SaveSummary:
     """Copy the checkpoint from the nodes' memory tiers to the durable URL (collective);
@@ -276,8 +270,9 @@ def _persist(session: Session, url: str, memory: Location, manifest: Manifest, r
         durable, manifest, save_id, list(ranks.leaders.values())) if ranks.coordinator else None)
     done = [c for c in copied if c is not None]
     written = sum(c.bytes_written for c in done)
-    return SaveSummary(url=url, bytes_total=manifest.total_bytes, bytes_staged=local.bytes_staged,
-                       bytes_written=written, bytes_reused=manifest.unique_bytes - written,
-                       chunks_written=sum(c.chunks_written for c in done),
-                       chunks_reused=len(manifest.chunks) - sum(c.chunks_written for c in done),
-                       seconds={**local.seconds, "durable": time.monotonic() - started})
+    chunks = sum(c.chunks_written for c in done)
+    stats = SaveStats(bytes_staged=local.bytes_staged, bytes_written=written,
+                      bytes_reused=manifest.unique_bytes - written, chunks_written=chunks,
+                      chunks_reused=len(manifest.chunks) - chunks)
+    return SaveSummary.of(url, stats, manifest.total_bytes,
+                          {**local.seconds, "durable": time.monotonic() - started})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .chunks import chunk_id
 from .errors import CkptTurboError
+from .urls import split_checkpoint, url_key
 
 DEFAULT_MEMORY_DIR = "/dev/shm/ckptturbo"
 MEMORY_DIR_ENV = "CKPTTURBO_MEMORY_DIR"
@@ -89,8 +90,6 @@ class Tiers:
     def memory_run(self, run_url: str) -> str:
         """This node's memory-tier run for a durable run: ``<memory>/<node>/<run>-<hash>``.
         The hash of the durable URL keeps two runs of the same name apart."""
-        from .session import url_key
-
         key = url_key(run_url)
         name = _path_name(posixpath.basename(key) or "run")
         return posixpath.join(self.memory_dir, self.node_name, f"{name}-{chunk_id(key.encode())[:16]}")
@@ -104,11 +103,3 @@ class Tiers:
 def _path_name(text: str) -> str:
     """``text`` as one safe path component of the memory directory."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
-
-
-def split_checkpoint(url: str) -> tuple[str, str]:
-    """(run URL, checkpoint name) of a checkpoint URL."""
-    run, _, name = str(url).rstrip("/").rpartition("/")
-    if not run or not name:
-        raise CkptTurboError(f"checkpoint URL {url!r} needs a run above it, e.g. s3://bucket/run/step-100")
-    return run, name

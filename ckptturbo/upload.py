@@ -11,13 +11,11 @@ Results: each entry's stored pieces (``save_plan.encode_results`` packs them) an
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -25,10 +23,12 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 from . import catalog, replicas
 from .errors import UnsupportedStateError
-from .chunk_index import ChunkIndex, index_for
+from .chunk_index import ChunkIndex
 from .chunks import ChunkLayout, chunk_id, layout_chunks
 from .manifest_records import StoredPiece
+from .results import SaveStats
 from .runs import RunStore
+from .runtime import index_for
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, tensor_bytes
 
 
@@ -43,34 +43,6 @@ class Entry:
     pieces: list[StoredPiece] = field(default_factory=list)
     written: int = 0
     reused: int = 0
-
-
-@dataclass(frozen=True)
-class SaveStats(Mapping):
-    """What one rank's save did; also readable as a mapping (``stats["bytes_written"]``)."""
-
-    bytes_staged: int = 0
-    bytes_written: int = 0
-    bytes_reused: int = 0
-    chunks_written: int = 0
-    chunks_reused: int = 0
-    seconds_stage: float = 0.0
-    seconds_upload: float = 0.0  # from the start of staging to the last upload
-    seconds_write: float = 0.0  # all of write_data (set by the writer)
-
-    def __getitem__(self, key: str) -> float:
-        if key not in _STAT_NAMES:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_STAT_NAMES)
-
-    def __len__(self) -> int:
-        return len(_STAT_NAMES)
-
-
-_STAT_NAMES = tuple(f.name for f in dataclasses.fields(SaveStats))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
@@ -31,14 +31,13 @@ from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
 from .errors import CkptTurboError, ReplicaMismatchError
 from .manifest import build_manifest
 from .plan.digests import PlanDigest
+from .results import SaveStats
 from .runs import Location
+from .runtime import Runtime, resolve
 from .save_groups import assign_grouped
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
-from .upload import SaveStats, Upload, plan_entries, stage_state_dict
-
-if TYPE_CHECKING:
-    from .session import Session
+from .upload import Upload, plan_entries, stage_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         on_replica_mismatch: str = "warn",
         snapshot: bool = False,
         overwrite: bool = True,
-        session: Session | None = None,
+        session: Runtime | None = None,
     ) -> None:
         if replica_check not in replicas.MODES:
             raise ValueError("replica_check must be 'sample', 'full' or 'off'")
@@ -133,10 +132,16 @@ class TurboWriter(StorageWriter, AsyncStager):
         self._init_runtime()
 
     @property
+    def runtime(self) -> Runtime:
+        """The runtime whose I/O threads and caches this writer uses (the default one unless
+        given; an unpickled writer uses its process's default)."""
+        return resolve(self._session)
+
+    @property
     def location(self) -> Location:
         if self._location is None or self._location.url != self.url:
             self._location = Location(self.url, self.storage_options, self.store_url,
-                                      session=self._session)
+                                      session=self.runtime)
         return self._location
 
     def _ensure_pool(self, share: int) -> HostBufferPool:
@@ -237,7 +242,7 @@ class TurboWriter(StorageWriter, AsyncStager):
                                          save_id=self.save_id)
         self._cached_plan = (key, assignments, plans)
         return [dataclasses.replace(p, items=[], storage_data=a, planner_data=None)
-                for p, a in zip(plans, assignments)]
+                for p, a in zip(plans, assignments, strict=True)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         started = time.monotonic()

@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 
 import ckptturbo as ct
-from ckptturbo import catalog
-from ckptturbo.agreement import gather
-from ckptturbo.failures import ckptturbo_errors  # noqa: F401 - the adapters' one error wrapper
-from ckptturbo.paths import OWN_STORE, RUN_STORE
-from ckptturbo.tree import flatten
+from ckptturbo.adapter_support import (
+    OWN_STORE,
+    RUN_STORE,
+    ckptturbo_errors,  # noqa: F401 - the adapters' one error wrapper
+    flatten,
+    gather,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +112,10 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
 
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None, *,
                     session: ct.Session | None = None) -> bool:
-    """Free the run's chunks that no kept checkpoint names; False if a save was in progress.
-
-    With ``list_checkpoints``, the only places adapters reach the catalog.
-    """
+    """Free the run's chunks that no kept checkpoint names (``ct.collect_garbage`` on
+    ``session``); False if a save was in progress (a later pass frees them)."""
     try:
-        catalog.collect_garbage(str(run_url), storage_options, session=session)
+        _session(session).collect_garbage(str(run_url), storage_options=storage_options)
     except ct.SaveInProgress as exc:
         log.info("gc of %s postponed: %s", run_url, exc)
         return False

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckptturbo as ct
-from ckptturbo.tree import SKELETON_KEY, flatten
+from ckptturbo.adapter_support import SKELETON_KEY, flatten
 
 from ._core import all_ranks, ckptturbo_errors, rank_and_world, rng_state, save_tree, set_rng_state
 

@@ -26,10 +26,18 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 import ckptturbo as ct
-from ckptturbo.tree import SKELETON_KEY, flatten
+from ckptturbo.adapter_support import SKELETON_KEY, flatten
 
-from ._core import (DeferredGC, chunk_store, ckptturbo_errors, remove, run_of, save_tree,
-                    shared_store, tiered_store)
+from ._core import (
+    DeferredGC,
+    chunk_store,
+    ckptturbo_errors,
+    remove,
+    run_of,
+    save_tree,
+    shared_store,
+    tiered_store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +290,11 @@ class _TurboShardedCheckpoints:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         url = str(self.broadcast(str(checkpoint_path)))
         for handle in self._turbo_handles():

@@ -26,7 +26,6 @@ from typing import Any
 import torch.distributed as dist
 
 import ckptturbo as ct
-from ckptturbo import catalog
 from ckptturbo.errors import CkptTurboError, SaveInProgress
 
 log = logging.getLogger(__name__)
@@ -34,10 +33,9 @@ log = logging.getLogger(__name__)
 def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None) -> int:
     """Delete chunks that no committed checkpoint of the run names; returns bytes freed.
 
-    The one place this adapter calls the catalog, so that a change of the catalog's home
-    touches one function.
+    ``ct.collect_garbage`` on the default session, as a number of bytes.
     """
-    return catalog.collect_garbage(run_url, storage_options).deleted_bytes
+    return ct.collect_garbage(run_url, storage_options=storage_options).deleted_bytes
 
 
 def storage_url(filesystem: Any, path: str) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo import catalog, chunk_index, cli, lease
+from ckptturbo import catalog, cli, lease, runtime
 from ckptturbo.runs import Location
 from ckptturbo.store import Store
 from ckptturbo.testing.launcher import run_distributed
@@ -134,7 +134,7 @@ def test_save_waits_for_running_gc_then_relists(tmp_path, caplog):
     writer = ct.TurboWriter(str(run / "b"), pack_threshold=1024)
     # the run's chunk index (kept across writers) predates the gc: it believes every
     # chunk of "a" exists
-    index = chunk_index.index_for(writer.location.run)
+    index = runtime.index_for(writer.location.run)
     stored = {p.name for p in (run / ".ckptturbo" / "chunks").rglob("*") if p.is_file()}
     assert stored and all(cid in index for cid in stored) and index.generation == "0"
     done = threading.Event()
@@ -220,7 +220,7 @@ def test_fresh_writers_share_the_run_chunk_index_until_a_gc(tmp_path):
     sd = tensors(6)
     for name in ("a", "b"):  # the documented pattern: a new TurboWriter per dcp.save
         dcp.save(sd, storage_writer=ct.TurboWriter(str(run / name)))
-    index = chunk_index.index_for(ct.TurboWriter(str(run / "c")).location.run)
+    index = runtime.index_for(ct.TurboWriter(str(run / "c")).location.run)
     assert index.listings == 1
     catalog.collect_garbage(str(run))  # a new gc generation: the next save relists
     dcp.save(sd, storage_writer=ct.TurboWriter(str(run / "c")))

@@ -13,7 +13,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 import ckptturbo as ct
-from ckptturbo import session
+from ckptturbo import runtime
 from ckptturbo.failures import as_ckptturbo_error
 from ckptturbo.upload import SaveStats
 
@@ -62,14 +62,14 @@ def test_ct_save_and_load_without_a_group_do_not_warn(tmp_path):
 
 def test_writers_kept_by_ct_save_are_bounded_and_evicted_ones_closed(tmp_path):
     sd = state(4)
-    kept = ct.default_session()._writers
+    kept = ct.default_session()._kept
     first_key = None
-    for i in range(session.MAX_WRITERS + 2):
+    for i in range(runtime.MAX_KEPT + 2):
         ct.save(sd, str(tmp_path / f"run{i}" / "a")).wait(timeout=60)
         if first_key is None:
             first_key = next(k for k in kept if k[0] == f"file://{tmp_path}/run0")
             first = kept[first_key]
-    assert len(kept) <= session.MAX_WRITERS
+    assert len(kept) <= runtime.MAX_KEPT
     assert first_key not in kept and first._pool is None  # closed: pool released
 
 
@@ -95,13 +95,17 @@ def test_failures_are_classified_by_type_not_message():
     assert "s3://b/run/a" in str(error) and "RuntimeError: connection reset by peer" in str(error)
     # DCP's wrapper (a BaseException) becomes an Exception naming the rank's own failure
     inner = TypeError("cannot pickle '_thread.lock' object")
-    error = as_ckptturbo_error(CheckpointException("save failed", {0: _wrap_exception(inner)}), "u", "saving")
-    assert isinstance(error, Exception) and error.__cause__ is inner and "cannot pickle" in str(error)
+    failed = CheckpointException("save failed", {0: _wrap_exception(inner)})
+    error = as_ckptturbo_error(failed, "u", "saving")
+    assert isinstance(error, Exception) and error.__cause__ is inner
+    assert "cannot pickle" in str(error)
     interrupt = KeyboardInterrupt()
     assert as_ckptturbo_error(interrupt, "u", "loading") is interrupt
     # gloo reports a dead peer as a plain RuntimeError raised inside a c10d collective; a
     # failure gathered from another rank keeps only its stack summary
     gloo = RuntimeError("Read error")
-    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather", None)])
-    comm = as_ckptturbo_error(CheckpointException("load failed", {2: (gloo, stack)}), "u", "loading")
+    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather",
+                                               None)])
+    comm = as_ckptturbo_error(CheckpointException("load failed", {2: (gloo, stack)}), "u",
+                              "loading")
     assert isinstance(comm, ct.CommunicationError) and comm.__cause__ is gloo

@@ -24,6 +24,7 @@ from ckptturbo.errors import CheckpointNotFound, FormatError, MismatchError
 from ckptturbo.stream.calibrate import calibrate
 from ckptturbo.stream.profiles import PROFILES, load_saved
 from ckptturbo.stream.format import header_length, parse_header
+from ckptturbo.runtime import default_runtime
 from ckptturbo.store import Store
 from ckptturbo.stream import nextfile, safe_open, stream_safetensors
 from ckptturbo.stream.format import TensorInfo
@@ -648,7 +649,7 @@ def test_safe_open_s3_reads_the_next_shards_ahead_within_the_budget(s3_server, t
                 got[k] = f.get_tensor(k)
                 assert _chain_held(f) <= limit
             assert (f._next is not None) == (next_shard(f.name) is not None)
-    assert adopted == [False, True, True] and not nextfile._pending
+    assert adopted == [False, True, True] and not default_runtime()._parked
     assert_same(got, want)
 
 
@@ -660,9 +661,9 @@ def test_safe_open_s3_next_shard_not_opened_is_dropped(s3_server, tmp_path, monk
     shards = [f"{url}/model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
         got = {k: f.get_tensor(k) for k in f.keys()}
-    ahead = nextfile._pending[shards[1]]
-    wait_until(lambda: shards[1] not in nextfile._pending, timeout=10)  # parked 0.2 s
-    assert shards[1] not in nextfile._pending and ahead.budget.held == 0
+    ahead = default_runtime()._parked[shards[1]]
+    wait_until(lambda: shards[1] not in default_runtime()._parked, timeout=10)  # parked 0.2 s
+    assert shards[1] not in default_runtime()._parked and ahead.budget.held == 0
     # opened with other settings, the shard read ahead is not used; a missing one raises as usual
     with safe_open(shards[0], storage_options=s3_server.storage_options) as f:
         got.update((k, f.get_tensor(k)) for k in f.keys())
@@ -672,7 +673,7 @@ def test_safe_open_s3_next_shard_not_opened_is_dropped(s3_server, tmp_path, monk
         assert f._next is not None  # the third, opened ahead: it does not exist
     with pytest.raises(FileNotFoundError, match="No such file or directory"):
         safe_open(shards[2], storage_options=s3_server.storage_options, streams=4)
-    assert not nextfile._pending
+    assert not default_runtime()._parked
     assert_same(got, {k: v for k, v in want.items() if not k.startswith("layer2.")})
 
 

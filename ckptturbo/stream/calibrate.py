@@ -14,6 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from ..errors import CheckpointNotFound
+from ..runtime import default_runtime
 from ..store import Store
 from .profiles import MiB, endpoint_key, save_profile
 
@@ -33,7 +34,7 @@ def calibrate(url: str, storage_options: dict[str, Any] | None = None, *,
     (True for the default file, or a path) it is stored where the streamer looks it up.
     """
     stream_list, chunk_list = list(streams), list(chunk_sizes)
-    store = Store(url, storage_options, max_workers=max(stream_list))
+    store = default_runtime().open_store(url, storage_options, max_workers=max(stream_list))
     path, size = _sample_object(store)
     nbytes = min(size, sample_bytes)
     results = []

@@ -31,6 +31,7 @@ from ..groups import host_transport_group
 from ..plan import ChainAssignment, ReadNeed, plan_reads
 from ..prefetch import MemoryBudget, Read
 from ..readonce import ChainSettings, ReadOnce
+from ..runtime import default_runtime
 from .format import parse_header
 from .headers import StreamFile
 from .source import ByteSource, FileEntry
@@ -47,7 +48,7 @@ def stream_group(group: Any) -> tuple[Any, int]:
     tensor-parallel workers), created once. Every rank of ``group`` calls this."""
     if group is None or not dist.is_initialized():
         return None, 1
-    transport = host_transport_group(group, purpose="stream")
+    transport = host_transport_group(group, purpose="stream", keeper=default_runtime())
     return transport, dist.get_world_size(transport)
 
 

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 from ..prefetch import MemoryBudget
+from ..runtime import default_runtime
 from .format import Header
 from .headers import StreamFile, open_file
 from .readahead import ReadAhead, start_read_ahead
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 PARK_SECONDS = 2.0  # how long a next shard waits to be opened once its parent has closed
 SHARD = re.compile(r"^(?P<head>.*-)(?P<index>\d+)(?P<of>-of-)(?P<count>\d+)(?P<tail>\.safetensors)$")
 
-_lock = threading.Lock()
-_pending: dict[str, NextFile] = {}  # by URL: at most one per URL, claimed or dropped
 
 
 class HandleSettings(NamedTuple):
@@ -203,11 +202,7 @@ class NextFile:
 
 def _unregister(found: NextFile) -> bool:
     """Take ``found`` out of the pending files (False if it was claimed or dropped already)."""
-    with _lock:
-        if _pending.get(found.url) is not found:
-            return False
-        del _pending[found.url]
-        return True
+    return default_runtime().unpark(found.url, found)
 
 
 def start_next(url: str, settings: HandleSettings, storage_options: dict[str, Any] | None,
@@ -217,15 +212,14 @@ def start_next(url: str, settings: HandleSettings, storage_options: dict[str, An
     nxt = next_shard(url)
     if nxt is None:
         return None
-    with _lock:
-        if nxt in _pending:
-            return None
-        try:
-            found = _pending[nxt] = NextFile(nxt, settings, storage_options,
-                                             LinkedBudget(parent.limit, parent), order_of)
-        except Exception as exc:  # noqa: BLE001 - reading ahead is optional
-            log.debug("%s: cannot open it ahead: %s", nxt, exc)
-            return None
+    try:  # at most one per URL, parked in the runtime until claimed or dropped
+        found = default_runtime().park(nxt, lambda: NextFile(
+            nxt, settings, storage_options, LinkedBudget(parent.limit, parent), order_of))
+    except Exception as exc:  # noqa: BLE001 - reading ahead is optional
+        log.debug("%s: cannot open it ahead: %s", nxt, exc)
+        return None
+    if found is None:
+        return None
     log.debug("%s: opening it ahead of the caller", nxt)
     return found
 
@@ -233,8 +227,7 @@ def start_next(url: str, settings: HandleSettings, storage_options: dict[str, An
 def claim(url: str, settings: HandleSettings, storage_options: dict[str, Any] | None) -> NextFile | None:
     """The file opened ahead for ``url`` with these settings, if any (one opened with
     others is dropped: a handle reads with its own)."""
-    with _lock:
-        found = _pending.pop(url, None)
+    found = default_runtime().claim(url)
     if found is None:
         return None
     if found.settings != settings or found.storage_options != storage_options:

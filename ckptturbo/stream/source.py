@@ -28,6 +28,7 @@ import torch
 from ..errors import CheckpointKindError, CheckpointNotFound, FormatError
 from ..paths import MANIFEST_NAME
 from ..prefetch import Read
+from ..runtime import default_runtime
 from ..store import ObjectInfo, Store, all_results
 from .cache import DiskCache, cache_key
 from .format import DEFAULT_MAX_HEADER_SIZE, PICKLE_SUFFIXES, refuse_pickle_name
@@ -54,7 +55,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None, streams: int) -
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(10, 2 * streams))
         options["config_kwargs"] = config
-    return Store(url, options, max_workers=max(2, streams))
+    return default_runtime().open_store(url, options, max_workers=max(2, streams))
 
 
 class Parts:
