@@ -227,7 +227,7 @@ class TurboReader(StorageReader):
         """With chained loads, tell the coordinator which chunks this rank needs (computed
         here, where the items are, not on the coordinator for every rank)."""
         grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
-        items = grouped.local.items if grouped is not None else plan.items
+        items = own_items(plan)
         self._local_items = items
         if not (dist.is_initialized() and self._broadcasting()):
             return plan
@@ -401,6 +401,14 @@ class TurboReader(StorageReader):
         finally:
             engine.close(timeout=self.timeout)
             copier.close()
+
+
+def own_items(plan: LoadPlan) -> list[ReadItem]:
+    """The items a rank reads: its plan's, or with ``TurboLoadPlanner`` the local plan the
+    grouped one stands for (a rank that is not the first with its digest sends none)."""
+    if isinstance(plan.planner_data, PlanDigest):
+        return plan.planner_data.local.items
+    return plan.items
 
 
 def verify_mode(verify: bool | str) -> str:

@@ -37,7 +37,7 @@ from .failures import as_ckptturbo_error
 from .manifest import Manifest
 from .paths import MANIFEST_NAME
 from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
-from .reader import TurboReader
+from .reader import TurboReader, own_items
 from .runs import Location
 from .runtime import wait_for_saves
 from .tiers import Tiers
@@ -225,7 +225,7 @@ class TieredReader(TurboReader):
         self.read_manifest()
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        needs = self._chunks_of(plan.items)
+        needs = self._chunks_of(own_items(plan))
         if self.peers is not None:
             self.chunks.fill_from_peers(self.peers, needs, self._chunk_ordinals())
         self.chunks.require(needs)
