@@ -248,3 +248,8 @@ def test_writer_and_reader_are_picklable(tmp_path):
     out = {"x": torch.zeros(3)}
     dcp.load(out, storage_reader=reader)
     assert torch.equal(out["x"], torch.ones(3))
+    # a reader that has read its manifest keeps it across pickling, but not its location
+    used = pickle.loads(pickle.dumps(reader))
+    out = {"x": torch.zeros(3)}
+    dcp.load(out, storage_reader=used)
+    assert torch.equal(out["x"], torch.ones(3))
