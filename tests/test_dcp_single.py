@@ -10,7 +10,6 @@ import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptturbo as ct
