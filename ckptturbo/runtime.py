@@ -117,7 +117,9 @@ class Runtime:
         """The one way to open a store (``chunk_store.StoreOpener``): one per URL, options
         and ``settings`` (``Store``'s retry, timeout and width settings), kept while
         recently used; its requests run on this runtime's pool of its endpoint."""
-        key = (str(url), repr(sorted((storage_options or {}).items())),
+        # the spelling too (a store's messages name its URL as given), and the location
+        # (a relative path names another directory once the working directory changes)
+        key = (str(url), url_key(url), repr(sorted((storage_options or {}).items())),
                repr(sorted(settings.items())))
         with self._lock:
             found = self._stores.get(key)
