@@ -68,14 +68,16 @@ def _chain_run(bc: ChainBroadcaster, transfers: list[Transfer], data: torch.Tens
 def _measure(rank: int, world: int, args: argparse.Namespace, device: torch.device) -> list[tuple]:
     size = args.size_mib << 20
     same_everywhere = torch.Generator(device=device).manual_seed(0)
-    data = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device, generator=same_everywhere)
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device,
+                         generator=same_everywhere)
     out = torch.empty_like(data)
     bc = ChainBroadcaster(piece_size=args.piece_mib << 20, max_inflight=args.max_inflight,
                           timeout=600, device=device)
     rows = []
 
     one = [Transfer(0, size, tuple(range(world)))]
-    t_bcast = _timed(lambda: dist.broadcast(data if rank == 0 else out, src=0), device, args.repeats)
+    t_bcast = _timed(lambda: dist.broadcast(data if rank == 0 else out, src=0), device,
+                     args.repeats)
     t_chain = _timed(lambda: _chain_run(bc, one, data, out, {0: 0}), device, args.repeats)
     rows.append(("one source", t_bcast, t_chain))
 
@@ -107,7 +109,10 @@ def _report(rows: list[tuple], args: argparse.Namespace, backend: str, world: in
 
 
 def _worker(rank: int, world: int, backend: str, args: argparse.Namespace) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     rows = _measure(rank, world, args, device)
     if rank == 0:
         _report(rows, args, backend, world)

@@ -90,9 +90,12 @@ def parameters(m: Model) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(m.layers):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (m.hidden,)),
-                (p + "self_attn.q_proj.weight", (m.hidden, m.hidden)), (p + "self_attn.q_proj.bias", (m.hidden,)),
-                (p + "self_attn.k_proj.weight", (m.kv, m.hidden)), (p + "self_attn.k_proj.bias", (m.kv,)),
-                (p + "self_attn.v_proj.weight", (m.kv, m.hidden)), (p + "self_attn.v_proj.bias", (m.kv,)),
+                (p + "self_attn.q_proj.weight", (m.hidden, m.hidden)),
+                (p + "self_attn.q_proj.bias", (m.hidden,)),
+                (p + "self_attn.k_proj.weight", (m.kv, m.hidden)),
+                (p + "self_attn.k_proj.bias", (m.kv,)),
+                (p + "self_attn.v_proj.weight", (m.kv, m.hidden)),
+                (p + "self_attn.v_proj.bias", (m.kv,)),
                 (p + "self_attn.o_proj.weight", (m.hidden, m.hidden)),
                 (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
                 (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
@@ -148,9 +151,9 @@ def states(model: Model, sharded: bool, world: int) -> dict[int, dict]:
     return out
 
 
-def cpu(fn: Callable[[], Any]) -> tuple[Any, float]:
+def cpu(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.process_time()
-    out = fn()
+    out = fn(*args)
     return out, time.process_time() - t0
 
 
@@ -209,15 +212,16 @@ def turbo_results(rank: int, plan: Any, local_items: list, writer: Any) -> list[
         flat = torch.empty(n, dtype=torch.uint8, device="meta")
         entries.append(Entry(item.index, flat, list(ranges or [(0, n)]),
                              "bytes" if item.type == WriteItemType.BYTE_IO else "tensor"))
-    layouts = layout_chunks([(i, s, e) for i, entry in enumerate(entries) for s, e in entry.ranges if e > s],
-                            DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD)
-    ids = [hashlib.blake2b(f"{rank}.{k}".encode(), digest_size=32).hexdigest() for k in range(len(layouts))]
-    place(entries, ((lay, cid, True) for lay, cid in zip(layouts, ids)))
-    sizes = {cid: lay.nbytes for lay, cid in zip(layouts, ids)}
+    spans = [(i, s, e) for i, entry in enumerate(entries) for s, e in entry.ranges if e > s]
+    layouts = layout_chunks(spans, DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD)
+    ids = [hashlib.blake2b(f"{rank}.{k}".encode(), digest_size=32).hexdigest()
+           for k in range(len(layouts))]
+    place(entries, ((lay, cid, True) for lay, cid in zip(layouts, ids, strict=True)))
+    sizes = {cid: lay.nbytes for lay, cid in zip(layouts, ids, strict=True)}
     prints = replicas.pack((replicas.item_key(i.index), 7) for i in a.replicated_items(items))
     results = save_plan.encode_results(rank, a.marker_id(writer.url), entries, sizes, prints)
-    return [WriteResult(index=MetadataIndex(save_plan.RESULTS_FQN), size_in_bytes=sum(sizes.values()),
-                        storage_data=results)]
+    return [WriteResult(index=MetadataIndex(save_plan.RESULTS_FQN),
+                        size_in_bytes=sum(sizes.values()), storage_data=results)]
 
 
 def turbo_intake_save(plan: Any, local_items: list) -> Any:
@@ -228,10 +232,11 @@ def turbo_intake_save(plan: Any, local_items: list) -> Any:
 
 SIDES = {
     "ckptturbo": Side("ckptturbo", lambda url: ct.TurboWriter(url),
-                      lambda url: ct.TurboReader(url, broadcast=True), turbo_results, turbo_intake_save,
+                      lambda url: ct.TurboReader(url, broadcast=True), turbo_results,
+                      turbo_intake_save,
                       lambda reader, plan: reader.chain_batch(plan.storage_data)),
-    "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url), dcp_results,
-                lambda plan, items: None, lambda reader, plan: None),
+    "dcp": Side("dcp", lambda url: FileSystemWriter(url), lambda url: FileSystemReader(url),
+                dcp_results, lambda plan, items: None, lambda reader, plan: None),
 }
 
 
@@ -263,15 +268,15 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         writer = writers[rep] = side.writer(url)
         caches.use(rep)
 
-        def planner_step() -> Any:
+        def planner_step(planner: DefaultSavePlanner, writer: Any, rep: int) -> Any:
             writer.reset(url)
             planner.set_up_planner(state_dict=sds[rep], storage_meta=writer.storage_meta(),
                                    is_coordinator=rep == 0)
             writer.set_up_storage_writer(rep == 0, rank=rep, use_collectives=True)
             return planner.create_local_plan()
 
-        plan, t = cpu(planner_step)
-        plan, t2 = cpu(lambda: writer.prepare_local_plan(plan))
+        plan, t = cpu(planner_step, planner, writer, rep)
+        plan, t2 = cpu(writer.prepare_local_plan, plan)
         ledger.cost["local"] += (t + t2) * len(members)
         ledger.planner += t * len(members)
         sent_items[rep] = getattr(planner, "_pending_local_plan", planner.plan).items
@@ -293,8 +298,9 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         rep = rep_of[r]
         caches.use(rep)
         SavePlanner._cached_final_save_plan = finals.setdefault(r, {})
-        final, t = cpu(lambda: planners[rep].finish_plan(plan))
-        _, t2 = cpu(lambda: side.intake_save(final, sent_items[rep]) if final.storage_data else None)
+        final, t = cpu(planners[rep].finish_plan, plan)
+        _, t2 = cpu(lambda final=final, items=sent_items[rep]:
+                    side.intake_save(final, items) if final.storage_data else None)
         ledger.cost["intake"] += t + t2
         ledger.planner += t
         back, _ = ledger.wire("results", side.results(r, final, sent_items[rep], writers[rep]), 1,
@@ -320,16 +326,16 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         planner = planners[rep] = DefaultLoadPlanner()
         reader = readers[rep] = copy.copy(first)  # shares the parsed manifest, not the state
 
-        def planner_step() -> Any:
+        def planner_step(planner: DefaultLoadPlanner, rep: int) -> Any:
             planner.set_up_planner(sds[rep], metadata, rep == 0)
             return planner.create_local_plan()
 
-        def reader_step(plan: Any) -> Any:
+        def reader_step(reader: Any, rep: int, plan: Any) -> Any:
             reader.set_up_storage_reader(metadata, rep == 0, rank=rep, use_collectives=True)
             return reader.prepare_local_plan(plan)
 
-        plan, t = cpu(planner_step)
-        plan, t2 = cpu(lambda: reader_step(plan))
+        plan, t = cpu(planner_step, planner, rep)
+        plan, t2 = cpu(reader_step, reader, rep, plan)
         ledger.cost["local"] += (t + t2) * len(members)
         ledger.planner += t * len(members)
         local[rep], _ = ledger.wire("gather", plan, len(members), to_rank=False)
@@ -351,8 +357,8 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
             plan, size = ledger.wire("scatter", obj, times, to_rank=True)
             seen[id(obj)] = (plan, size, ledger.cost["scatter"] - before)
         rep = rep_of[r]
-        final, t = cpu(lambda: planners[rep].finish_plan(plan))
-        _, t2 = cpu(lambda: side.intake_load(readers[rep], final))
+        final, t = cpu(planners[rep].finish_plan, plan)
+        _, t2 = cpu(side.intake_load, readers[rep], final)
         ledger.cost["intake"] += t + t2
         ledger.planner += t
     return ledger
@@ -385,7 +391,8 @@ def run_world(workload: str, world: int, root: str) -> dict[str, Any]:
             "results_bytes": save.sent["results"],
             "metadata_bytes": os.path.getsize(meta),
         }
-        print(f"  {workload} {world} {name}: save {dict(save.cost)} load {dict(load.cost)}", flush=True)
+        print(f"  {workload} {world} {name}: save {dict(save.cost)} load {dict(load.cost)}",
+              flush=True)
     return row
 
 
@@ -396,7 +403,8 @@ def exponent(rows: list[dict], side: str, key: str) -> float:
     if len(xs) < 2:
         return float("nan")
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    return covariance / sum((x - mx) ** 2 for x in xs)
 
 
 def summarise(rows: list[dict]) -> dict[str, Any]:
@@ -408,7 +416,8 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
         out[workload] = {
             "ranks": top["ranks"],
             "total_ratio": t["total_s"] / d["total_s"],
-            "beyond_planner_ratio": (t["total_s"] - t["planner_s"]) / (d["total_s"] - d["planner_s"]),
+            "beyond_planner_ratio": ((t["total_s"] - t["planner_s"])
+                                     / (d["total_s"] - d["planner_s"])),
             "max_plan_ratio": t["max_plan_bytes"] / d["max_plan_bytes"],
             "scatter_exponent": exponent(mine, "ckptturbo", "scatter_bytes"),
             "dcp_scatter_exponent": exponent(mine, "dcp", "scatter_bytes"),
@@ -435,10 +444,10 @@ def scenario(args: Any) -> Report:
         t, d = top["ckptturbo"], top["dcp"]
         at = f"{workload} @ {top['ranks']}"
         report.compare(f"{at}: coordinator path CPU s", t["total_s"], d["total_s"], "s", target=0.5)
-        report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"], "B",
-                       target=1.0)
-        report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0, "x",
-                       peer_name="linear (1.0)", target=1.05)
+        report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"],
+                       "B", target=1.0)
+        report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0,
+                       "x", peer_name="linear (1.0)", target=1.05)
         report.compare(f"{at}: cached save, coordinator CPU s", t["coordinator_again_s"],
                        t["coordinator_s"], "s", peer_name="first save", target=0.1)
         report.compare(f"{at}: manifest bytes", t["metadata_bytes"], d["metadata_bytes"], "B",

@@ -52,13 +52,15 @@ def _timed(load: Callable[[], dict[str, torch.Tensor]], device: torch.device,
     got = load()
     sync(device)
     seconds = now() - t
-    correct = got.keys() == expected.keys() and all(torch.equal(got[k].cpu(), v) for k, v in expected.items())
+    correct = got.keys() == expected.keys() and all(torch.equal(got[k].cpu(), v)
+                                                    for k, v in expected.items())
     return {"seconds": seconds, "correct": correct}
 
 
 def main() -> None:
     args, device = device_args(__doc__.split("\n")[0])
-    report = Report("gpu-stream", {"size_mb": args.size_mb, "reps": args.reps, "device": str(device)})
+    report = Report("gpu-stream", {"size_mb": args.size_mb, "reps": args.reps,
+                                   "device": str(device)})
     with tempfile.TemporaryDirectory(prefix="ckptturbo-gpu-stream-") as work:
         files, expected = _model(args.size_mb * MiB, work)
 
@@ -78,7 +80,8 @@ def main() -> None:
                 out.update(load_file(path, device=str(device)))
             return out
 
-        variants = {"stream_safetensors": stream, "safe_open loop": loop, "safetensors load_file": peer}
+        variants = {"stream_safetensors": stream, "safe_open loop": loop,
+                    "safetensors load_file": peer}
         loads = alternate(args.reps, {name: (lambda rep, fn=fn: _timed(fn, device, expected))
                                       for name, fn in variants.items()})
     report.raw["loads"] = loads
@@ -86,8 +89,8 @@ def main() -> None:
     theirs = loads["safetensors load_file"]["best"]["seconds"]
     for name in ("stream_safetensors", "safe_open loop"):
         report.compare(f"{name} into {device.type} tensors (page cache warm)",
-                       loads[name]["best"]["seconds"], theirs, "s", peer_name="safetensors load_file",
-                       target=1.0)
+                       loads[name]["best"]["seconds"], theirs, "s",
+                       peer_name="safetensors load_file", target=1.0)
     report.finish(args.out)
 
 

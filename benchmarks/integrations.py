@@ -139,10 +139,12 @@ def transformers_run(steps: int, save_steps: int, workdir: str) -> dict[str, flo
     # each twice, interleaved; the second of each counts (the first pays one-off warm-up)
     for name, cls in (("default", Trainer), ("turbo", TurboTrainer)) * 2:
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4, n_head=4))
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(dir=workdir), max_steps=steps, save_steps=save_steps,
-                                 per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                                 disable_tqdm=True, logging_strategy="no")
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4,
+                                           n_head=4))
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(dir=workdir), max_steps=steps,
+                                 save_steps=save_steps, per_device_train_batch_size=4,
+                                 report_to=[], use_cpu=True, disable_tqdm=True,
+                                 logging_strategy="no")
         trainer = cls(model=model, args=args, train_dataset=Tokens())
         start = time.perf_counter()
         trainer.train()
@@ -153,8 +155,8 @@ def transformers_run(steps: int, save_steps: int, workdir: str) -> dict[str, flo
 
 # --- drivers ----------------------------------------------------------------------------
 def _run(cmd: list[str], timeout: float = 900) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
 
@@ -165,8 +167,8 @@ def bench_lightning(mib: int, saves: int) -> dict[str, Any]:
         work = tempfile.mkdtemp(prefix=f"bench-pl-{io_name}-")
         out = os.path.join(work, "result.json")
         try:
-            _run([sys.executable, "-m", "benchmarks.integrations", "_lightning_worker", io_name, str(mib),
-                  str(saves), work, out])
+            _run([sys.executable, "-m", "benchmarks.integrations", "_lightning_worker", io_name,
+                  str(mib), str(saves), work, out])
             raw = json.loads(Path(out).read_text())
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -174,7 +176,8 @@ def bench_lightning(mib: int, saves: int) -> dict[str, Any]:
     med = {k: result[k]["blocked_median_s"] for k in ("torch", "async", "turbo")}
     result["ratio_turbo_vs_torch"] = med["turbo"] / med["torch"]
     result["ratio_turbo_vs_async"] = med["turbo"] / med["async"]
-    result["targets_met"] = result["ratio_turbo_vs_torch"] <= 0.3 and result["ratio_turbo_vs_async"] <= 0.5
+    result["targets_met"] = (result["ratio_turbo_vs_torch"] <= 0.3
+                             and result["ratio_turbo_vs_async"] <= 0.5)
     return result
 
 
@@ -182,9 +185,10 @@ def bench_accelerate(mib: int, saves: int) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="bench-acc-")
     out = os.path.join(work, "result.json")
     try:
-        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-              "--log-dir", os.path.join(work, "logs"), "-m", "benchmarks.integrations",
-              "_accelerate_worker", str(mib), str(saves), work, out])
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              "--standalone", "--log-dir", os.path.join(work, "logs"),
+              "-m", "benchmarks.integrations", "_accelerate_worker", str(mib), str(saves), work,
+              out])
         raw = json.loads(Path(out).read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -201,12 +205,14 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_accelerate_worker":
         mib, saves, work, out = sys.argv[2:6]
         return accelerate_worker(int(mib), int(saves), work, out)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", choices=["lightning", "accelerate", "transformers", "all"])
     p.add_argument("--mib", type=int, default=256, help="model state size (weights + Adam moments)")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="transformers: training steps")
-    p.add_argument("--save-steps", type=int, default=10, help="transformers: steps between checkpoints")
+    p.add_argument("--save-steps", type=int, default=10,
+                   help="transformers: steps between checkpoints")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -220,7 +226,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="bench-hf-") as work:
                 result = transformers_run(args.steps, args.save_steps, work)
         Path(args.out, f"integrations-{name}.json").write_text(json.dumps(result, indent=2))
-        print(name, json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
+        flat = {k: v for k, v in result.items() if not isinstance(v, dict)}
+        print(name, json.dumps(flat, indent=1))
 
 
 if __name__ == "__main__":

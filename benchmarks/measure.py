@@ -96,7 +96,7 @@ class RssSampler:
             self.peak = max(self.peak, rss())
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 

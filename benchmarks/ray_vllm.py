@@ -15,8 +15,9 @@ Standalone (``python -m benchmarks.ray_vllm ray|vllm|all``); SeaweedFS runs on l
   ``ckptturbo[bench-runai]``, or ``--runai-python``; skipped with a message when absent),
   and by downloading the files then ``load_format="safetensors"`` (download included);
   ``load_format="dummy"`` (random weights, nothing read) gives the floor every way pays,
-  and ``ratio_above_dummy_*`` compares the time each spends above it. Each way runs in a warm engine process of its own (vLLM imported, one unmeasured
-  engine first), which then builds one engine per repetition; repetitions alternate
+  and ``ratio_above_dummy_*`` compares the time each spends above it. Each way runs in a
+  warm engine process of its own (vLLM imported, one unmeasured engine first), which then
+  builds one engine per repetition; repetitions alternate
   between the ways (the order flips each time); medians, spreads and ratios are reported.
 """
 from __future__ import annotations
@@ -107,13 +108,16 @@ def bench_ray(server: Any, out: str, width: int, steps: int, every: int,
                       "storage_options": server.storage_options}
             TorchTrainer(ray_train_fn, train_loop_config=config,
                          scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                         run_config=RunConfig(name=mode, storage_path=prefix, storage_filesystem=arrow,
+                         run_config=RunConfig(name=mode, storage_path=prefix,
+                                              storage_filesystem=arrow,
                                               checkpoint_config=CheckpointConfig())).fit()
             ranks = []
             for rank in (0, 1):
                 with open(os.path.join(out, f"{mode}-rank{rank}.json")) as f:
                     ranks.append(json.load(f))
-            blocked = [max(a, b) for a, b in zip(ranks[0]["blocked"], ranks[1]["blocked"])]
+            # strict=False: pair the checkpoints both ranks reported, as before
+            both = zip(ranks[0]["blocked"], ranks[1]["blocked"], strict=False)
+            blocked = [max(a, b) for a, b in both]
             results[mode] = {"blocked_s_per_checkpoint": sum(blocked) / len(blocked),
                              "bytes_uploaded": fs.du(f"{prefix}/{mode}"),
                              "state_bytes_per_worker": ranks[0]["state_bytes"],
@@ -234,8 +238,8 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
         aws = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": server.key,
                "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
-        ways = {"ckptturbo": ([config_only, "ckptturbo", json.dumps({"url": url, "storage_options": options}),
-                               ""], sys.executable, {}),
+        turbo_config = json.dumps({"url": url, "storage_options": options})
+        ways = {"ckptturbo": ([config_only, "ckptturbo", turbo_config, ""], sys.executable, {}),
                 "runai_streamer": ([url, "runai_streamer", "{}", ""], runai_python, aws),
                 "download+safetensors": ([os.path.join(out, "downloaded"), "safetensors", "{}",
                                           json.dumps([url, options])], sys.executable, {}),
@@ -252,7 +256,8 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
             for attempt in range(repeat):
                 for name in (names if attempt % 2 == 0 else names[::-1]):
                     run = workers[name].run()
-                    print(f"[{attempt + 1}/{repeat}] {name}: {run.get('weights_s', run)}", flush=True)
+                    print(f"[{attempt + 1}/{repeat}] {name}: {run.get('weights_s', run)}",
+                          flush=True)
                     runs[name].append(run)
         finally:
             for w in workers.values():
@@ -309,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--latency-ms", type=float, default=20.0)
         p.add_argument("--repeat", type=int, default=5, help="vLLM: measured engines per way")
         p.add_argument("--runai-python", default=sys.executable,
-                       help="vLLM: the interpreter of runai_streamer's engine (with runai-model-streamer-s3)")
+                       help="vLLM: the interpreter of runai_streamer's engine "
+                            "(with runai-model-streamer-s3)")
     e = sub.add_parser("engine")
     e.add_argument("model")
     e.add_argument("load_format")

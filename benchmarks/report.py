@@ -116,13 +116,16 @@ class Report:
 
     def table(self) -> str:
         lines = [f"== {self.scenario}  {json.dumps(self.params)}"]
-        head = f"{'measure':<46} {'ckptturbo':>12} {'peer':>12}  {'peer is':<22} {'ratio':>7}  target"
+        head = (f"{'measure':<46} {'ckptturbo':>12} {'peer':>12}  {'peer is':<22} {'ratio':>7}"
+                "  target")
         lines += [head, "-" * len(head)]
         for c in self.comparisons:
-            target = "" if c.target is None else f"{c.op} {c.target:g}  " + ("ok" if c.met else "MISSED")
+            verdict = "ok" if c.met else "MISSED"
+            target = "" if c.target is None else f"{c.op} {c.target:g}  {verdict}"
             lines.append(f"{c.name:<46} {_fmt(c.ours, c.unit):>12} {_fmt(c.peer, c.unit):>12}  "
                          f"{c.peer_name:<22} {c.ratio:>7.3f}  {target}")
-        lines.append("checks: " + ", ".join(f"{k}={'ok' if v else 'FAILED'}" for k, v in self.checks.items()))
+        lines.append("checks: " + ", ".join(f"{k}={'ok' if v else 'FAILED'}"
+                                            for k, v in self.checks.items()))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -150,11 +153,11 @@ class Report:
         cols = min(4, len(comps))
         rows = (len(comps) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False)
-        for ax, c in zip(axes.flat, comps):
+        for ax, c in zip(axes.flat, comps, strict=False):  # the last row may have spare axes
             scale, unit = (MiB, "MiB") if c.unit == "bytes" else (1, c.unit)
             bars = ax.bar(["ckptturbo", c.peer_name], [c.ours / scale, c.peer / scale],
                           color=["#2a7ab0", "#bbbbbb"])
-            for b, v in zip(bars, (c.ours, c.peer)):
+            for b, v in zip(bars, (c.ours, c.peer), strict=True):
                 ax.annotate(_fmt(v, c.unit), (b.get_x() + b.get_width() / 2, b.get_height()),
                             ha="center", va="bottom", fontsize=7)
             ax.margins(y=0.15)

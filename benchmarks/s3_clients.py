@@ -112,7 +112,8 @@ class StoreClient(Client):
         try:
             if self.before:  # s3fs's default whole-object read: HEAD (+ LIST on 404), then GET
                 path = self._path(key)
-                return self.store.policy.call("read", path, lambda: self.store._request("cat_file", path))
+                return self.store.policy.call("read", path,
+                                              lambda: self.store._request("cat_file", path))
             return self.store.get(self._path(key))
         except CheckpointNotFound:
             return None
@@ -126,7 +127,8 @@ class ObstoreClient(Client):
         self.store = S3Store(server.bucket, endpoint=endpoint, access_key_id=server.key,
                              secret_access_key=server.secret, region="us-east-1",
                              virtual_hosted_style_request=False,
-                             client_options={"allow_http": True, "pool_max_idle_per_host": str(threads)})
+                             client_options={"allow_http": True,
+                                             "pool_max_idle_per_host": str(threads)})
 
     def put(self, key: str, body: memoryview) -> None:
         import obstore
@@ -196,16 +198,20 @@ def run_phase(client: Client, calls: list[Callable[[], Any]], nbytes: int) -> di
         for fut in [pool.submit(c) for c in calls]:
             fut.result()
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
-    return {"seconds": seconds, "mb_s": nbytes / seconds / 1e6, "cpu_s_per_gib": cpu / (nbytes / (1 << 30))}
+    return {"seconds": seconds, "mb_s": nbytes / seconds / 1e6,
+            "cpu_s_per_gib": cpu / (nbytes / (1 << 30))}
 
 
-def one_rep(client: Client, payload: memoryview, chunk: int, chunks: int) -> dict[str, dict[str, float]]:
+def one_rep(client: Client, payload: memoryview, chunk: int,
+            chunks: int) -> dict[str, dict[str, float]]:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     keys = [f"{prefix}/c{i}" for i in range(chunks)]
     total = chunk * chunks
-    out = {"put": run_phase(client, [lambda k=k, i=i: client.put(k, payload[i * chunk:(i + 1) * chunk])
-                                     for i, k in enumerate(keys)], total)}
-    gets = [lambda k=k, s=s: client.get(k, s, min(s + RANGE, chunk)) for k in keys for s in range(0, chunk, RANGE)]
+    puts = [lambda k=k, i=i: client.put(k, payload[i * chunk:(i + 1) * chunk])
+            for i, k in enumerate(keys)]
+    out = {"put": run_phase(client, puts, total)}
+    gets = [lambda k=k, s=s: client.get(k, s, min(s + RANGE, chunk))
+            for k in keys for s in range(0, chunk, RANGE)]
     out["get"] = run_phase(client, gets, total)
     marker = f"{prefix}/pending/0"
     t0 = time.perf_counter()
@@ -253,13 +259,15 @@ def table(results: dict[str, Any], setting: str) -> str:
     lines = [f"{setting}: client | put MB/s (x today) | put CPU-s/GiB | get MB/s (x today) | "
              f"get CPU-s/GiB | control ms/round (x today)"]
     for name, r in results.items():
-        def ratio(phase: str, metric: str) -> float:
+        def ratio(phase: str, metric: str, r: dict[str, Any] = r) -> float:
             return r[phase][metric]["median"] / base[phase][metric]["median"]
-        lines.append(f"  {name:14s} | {r['put']['mb_s']['median']:6.0f} ({ratio('put', 'mb_s'):.2f}x) | "
+        lines.append(f"  {name:14s} | {r['put']['mb_s']['median']:6.0f} "
+                     f"({ratio('put', 'mb_s'):.2f}x) | "
                      f"{r['put']['cpu_s_per_gib']['median']:.2f} | "
                      f"{r['get']['mb_s']['median']:6.0f} ({ratio('get', 'mb_s'):.2f}x) | "
                      f"{r['get']['cpu_s_per_gib']['median']:.2f} | "
-                     f"{r['control']['ms_per_round']['median']:.1f} ({ratio('control', 'ms_per_round'):.2f}x)")
+                     f"{r['control']['ms_per_round']['median']:.1f} "
+                     f"({ratio('control', 'ms_per_round'):.2f}x)")
     return "\n".join(lines)
 
 

@@ -147,7 +147,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": vars(args), "samples": samples, "median": med,
-                       "ratios": {"s3_over_local": s3 / local, "s3_over_copy": s3 / copy}}, f, indent=1)
+                       "ratios": {"s3_over_local": s3 / local, "s3_over_copy": s3 / copy}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

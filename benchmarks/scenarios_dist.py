@@ -53,7 +53,8 @@ def _save_rank(rank: int, world: int, be: Backend, state_kind: str, size: int,
             else:
                 per_rank = distcp_bytes_per_rank(files, world)
             sample = {"seconds": t1 - t0, "per_rank_bytes": per_rank,
-                      "stored_bytes": sum(files.values()), "rank_seconds": [s["seconds"] for s in stats]}
+                      "stored_bytes": sum(files.values()),
+                      "rank_seconds": [s["seconds"] for s in stats]}
             if side == "ckptturbo":
                 sample["rank_stats"] = stats
             out[side].append(sample)
@@ -63,7 +64,10 @@ def _save_rank(rank: int, world: int, be: Backend, state_kind: str, size: int,
     checks = {}
     for side in SIDES:
         zero_(sd)
-        reader = be.ct_reader(kept[side] + "/ckpt") if side == "ckptturbo" else be.dcp_reader(kept[side])
+        if side == "ckptturbo":
+            reader = be.ct_reader(kept[side] + "/ckpt")
+        else:
+            reader = be.dcp_reader(kept[side])
         dcp.load(sd, storage_reader=reader)
         checks[side] = all(gather(not mismatches(sd, expected)))
     out["checks"] = checks
@@ -114,10 +118,12 @@ def _replicated(args: Any, kind: str, name: str, state_kind: str) -> Report:
         put_s = unique / ceiling["put_bytes_per_s"]
         report.compare("time to durable vs raw parallel PUT of same bytes", ct_["seconds"], put_s,
                        "s", peer_name="s3fs 8x16MiB PUT")
-        report.note(f"storage ceiling measured in this run: PUT {ceiling['put_bytes_per_s'] / MiB:.0f} "
-                    f"MiB/s; DCP took {dc['seconds'] / put_s:.2f}x the raw PUT time")
+        report.note("storage ceiling measured in this run: "
+                    f"PUT {ceiling['put_bytes_per_s'] / MiB:.0f} MiB/s; "
+                    f"DCP took {dc['seconds'] / put_s:.2f}x the raw PUT time")
     report.note(f"DCP: total {sum(dc['per_rank_bytes']) / unique:.3f}x unique, max/mean "
-                f"{dc_max / dc_mean:.2f}; ckptturbo stored {ct_['stored_bytes'] / unique:.3f}x unique "
+                f"{dc_max / dc_mean:.2f}; "
+                f"ckptturbo stored {ct_['stored_bytes'] / unique:.3f}x unique "
                 "(chunks + manifest)")
     report.check("ckptturbo load equals saved state (every rank)", res["checks"]["ckptturbo"])
     report.check("DCP load equals saved state (every rank)", res["checks"]["DCP"])
@@ -159,7 +165,10 @@ def _load_rank(rank: int, world: int, backends: dict[str, Backend], size: int, r
                 zero_(sd)
                 reset_fsspec_caches()
                 url = urls[where][side]
-                reader = be.ct_reader(url, verify=verify) if side == "ckptturbo" else be.dcp_reader(url)
+                if side == "ckptturbo":
+                    reader = be.ct_reader(url, verify=verify)
+                else:
+                    reader = be.dcp_reader(url)
                 barrier_time()
                 served = be.served() if rank == 0 else None
                 t0 = barrier_time()
@@ -193,7 +202,8 @@ def grouped_load(args: Any) -> Report:
     verify = args.verify
     report = Report("grouped-load", {"size_mb": args.size_mb, "ranks": world, "reps": args.reps,
                                      "verify": verify})
-    with environment("s3", args.workdir, args.conn_mbps) as s3, environment("local", args.workdir) as local:
+    with (environment("s3", args.workdir, args.conn_mbps) as s3,
+          environment("local", args.workdir) as local):
         backends = {"s3": s3.backend, "local": local.backend}
         big = run_distributed(_load_rank, world, backends, size, args.reps, None, SIDES, verify,
                               **rank_options(world))[0]
@@ -208,7 +218,8 @@ def grouped_load(args: Any) -> Report:
         return min(res[where][side], key=lambda s: s["seconds"])
 
     ct_s3, dc_s3 = best(big, "s3", "ckptturbo"), best(big, "s3", "DCP")
-    report.compare(f"bytes served by storage, {world} ranks", ct_s3["bytes_served"], unique, "bytes",
+    report.compare(f"bytes served by storage, {world} ranks", ct_s3["bytes_served"], unique,
+                   "bytes",
                    peer_name="unique bytes", target=1.0 + 0.01,
                    note="loopback proxy count (HTTP headers included)")
     report.compare(f"sum of reader.bytes_from_storage, {world} ranks", ct_s3["bytes_from_storage"],
@@ -223,10 +234,11 @@ def grouped_load(args: Any) -> Report:
     report.compare(f"load time local (warm), {world} ranks", ct_l["seconds"], dc_l["seconds"], "s",
                    peer_name="DCP FileSystem", target=1.0)
     report.compare(f"load time S3, {world} vs {small} ranks", ct_s3["seconds"],
-                   best(few, "s3", "ckptturbo")["seconds"], "s", peer_name=f"ckptturbo {small} ranks",
-                   target=1.25)
+                   best(few, "s3", "ckptturbo")["seconds"], "s",
+                   peer_name=f"ckptturbo {small} ranks", target=1.25)
     report.compare(f"load time local, {world} vs {small} ranks", ct_l["seconds"],
-                   best(few, "local", "ckptturbo")["seconds"], "s", peer_name=f"ckptturbo {small} ranks")
+                   best(few, "local", "ckptturbo")["seconds"], "s",
+                   peer_name=f"ckptturbo {small} ranks")
     report.note(f"DCP served {dc_s3['bytes_served'] / unique:.2f}x the unique bytes on S3")
     report.check("every rank's load equals the saved state", big["correct"] and few["correct"])
     return report

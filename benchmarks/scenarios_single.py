@@ -100,7 +100,8 @@ def one_process(args: Any, kind: str) -> Report:
             report.compare("load time (page cache evicted)", cold["ckptturbo"]["best"]["seconds"],
                            cold["DCP"]["best"]["seconds"], "s", peer_name=peer, target=1.0)
             report.note("warm loads copy from the page cache (memory-bound); cold loads evict the "
-                        "checkpoint files with posix_fadvise(DONTNEED) first (the VM's host may still cache them)")
+                        "checkpoint files with posix_fadvise(DONTNEED) first (the VM's host may "
+                        "still cache them)")
             all_loads = [loads, cold]
         else:
             ceiling = storage_ceiling(be, min(256 * MiB, max(32 * MiB, size)))
@@ -112,11 +113,13 @@ def one_process(args: Any, kind: str) -> Report:
             report.compare("load time vs raw parallel GET of same bytes",
                            loads["ckptturbo"]["best"]["seconds"], get_s, "s",
                            peer_name="s3fs 8x16MiB GET")
-            report.note(f"storage ceiling measured in this run: PUT {ceiling['put_bytes_per_s'] / MiB:.0f} "
-                        f"MiB/s, GET {ceiling['get_bytes_per_s'] / MiB:.0f} MiB/s; DCP save "
+            report.note("storage ceiling measured in this run: "
+                        f"PUT {ceiling['put_bytes_per_s'] / MiB:.0f} MiB/s, "
+                        f"GET {ceiling['get_bytes_per_s'] / MiB:.0f} MiB/s; DCP save "
                         f"{saves['DCP']['best']['seconds'] / put_s:.2f}x and load "
                         f"{loads['DCP']['best']['seconds'] / get_s:.2f}x the raw time")
-            report.compare("bytes served by storage per load", loads["ckptturbo"]["best"]["bytes_served"],
+            report.compare("bytes served by storage per load",
+                           loads["ckptturbo"]["best"]["bytes_served"],
                            loads["DCP"]["best"]["bytes_served"], "bytes", peer_name=peer,
                            note="counted by a loopback proxy in front of SeaweedFS")
             all_loads = [loads]
@@ -179,7 +182,8 @@ def incremental(args: Any) -> Report:
                 second = now() - t
                 s2 = dict(writer.last_stats)
                 samples.append({"first_seconds": first, "second_seconds": second,
-                                "first_bytes": s1["bytes_written"], "second_bytes": s2["bytes_written"],
+                                "first_bytes": s1["bytes_written"],
+                                "second_bytes": s2["bytes_written"],
                                 "second_reused": s2["bytes_reused"]})
                 log.info("  %s rep %d: first %.3f s %d B, second %.3f s %d B", kind, rep, first,
                          s1["bytes_written"], second, s2["bytes_written"])
@@ -195,8 +199,8 @@ def incremental(args: Any) -> Report:
             best = {k: min(s[k] for s in samples) for k in samples[0]}
             report.raw[kind] = {"samples": samples}
             where = "local disk" if kind == "local" else "SeaweedFS"
-            report.compare(f"2nd/1st save bytes ({where})", best["second_bytes"], best["first_bytes"],
-                           "bytes", peer_name="first save", target=0.15)
+            report.compare(f"2nd/1st save bytes ({where})", best["second_bytes"],
+                           best["first_bytes"], "bytes", peer_name="first save", target=0.15)
             report.compare(f"2nd/1st save time ({where})", best["second_seconds"],
                            best["first_seconds"], "s", peer_name="first save", target=0.3)
     report.note(f"changed: {len(changed)} of {len(sd)} tensors, "
@@ -305,7 +309,8 @@ def async_stall(args: Any) -> Report:
                                     "pool_mb": args.pool_mb})
     pool = args.pool_mb * MiB if args.pool_mb else None
     variants = {v: (lambda rep, v=v: run_isolated(_stall_variant, v, size, args.workdir, pool,
-                                                  timeout=600, setup=rank_setup)) for v in STALL_VARIANTS}
+                                                  timeout=600, setup=rank_setup))
+                for v in STALL_VARIANTS}
     res = alternate(args.reps, variants, key="steady_stall")
     # durable times: best of the samples independently of stall
     best = {v: r["best"] for v, r in res.items()}
@@ -315,8 +320,9 @@ def async_stall(args: Any) -> Report:
     ct_ = best["ct.save"]
     report.compare("stall, steady state", ct_["steady_stall"], best["bare copy"]["steady_stall"],
                    "s", peer_name="bare copy_ into buffers", target=1.5)
-    report.compare("stall, steady state", ct_["steady_stall"], best["dcp.async_save"]["steady_stall"],
-                   "s", peer_name="dcp.async_save blocking", target=0.5)
+    report.compare("stall, steady state", ct_["steady_stall"],
+                   best["dcp.async_save"]["steady_stall"], "s",
+                   peer_name="dcp.async_save blocking", target=0.5)
     report.compare("stall, steady state", ct_["steady_stall"], best["dcp.save"]["steady_stall"],
                    "s", peer_name="dcp.save (FileSystem)", target=0.2)
     report.compare("stall, first save", best_first["ct.save"], best_first["dcp.async_save"], "s",
@@ -337,9 +343,9 @@ def async_stall(args: Any) -> Report:
                    peer_name="dcp.async_save")
     report.raw["pool_bytes"] = pool_bytes
     report.raw["state_bytes"] = size
-    report.note(f"ct.save staging pool: {pool_bytes / MiB:.0f} MiB (default: the rank's share, capped "
-                "at a quarter of free RAM); every variant runs in a fresh process; 'steady' = "
-                "second save after every tensor changed, into the same run")
+    report.note(f"ct.save staging pool: {pool_bytes / MiB:.0f} MiB (default: the rank's share, "
+                "capped at a quarter of free RAM); every variant runs in a fresh process; "
+                "'steady' = second save after every tensor changed, into the same run")
     report.check("every variant's checkpoint loads back exactly",
                  all(s["correct"] for r in res.values() for s in r["samples"]))
     return report

@@ -71,10 +71,14 @@ def slope_per_save(ys: list[float]) -> float:
 
 def verify(url: str, step: int, tensors: int, numel: int, options: dict | None) -> None:
     expected = state_at(step, tensors, numel)
-    out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in expected.items()}
+    out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0)
+           for k, v in expected.items()}
     ct.load(out, url, storage_options=options)
     for key, value in expected.items():
-        same = torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
+        if isinstance(value, torch.Tensor):
+            same = torch.equal(out[key], value)
+        else:
+            same = out[key] == value
         if not same:
             raise AssertionError(f"{url}: {key} differs from what step {step} saved")
 
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=1)
     p.add_argument("--gc-every", type=int, default=10)
     p.add_argument("--keep", type=int, default=3)
-    p.add_argument("--fit", type=int, default=150, help="saves at the end the RSS slope is fitted on")
+    p.add_argument("--fit", type=int, default=150,
+                   help="saves at the end the RSS slope is fitted on")
     p.add_argument("--stores", default="local,s3")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
               f"RSS {r['rss_first'] / MiB:.0f} -> {r['rss_last'] / MiB:.0f} MiB (max "
               f"{r['rss_max'] / MiB:.0f}); over the last {r['rss_fit_window']} saves: peak "
               f"growth {r['rss_growth_over_window'] / MiB:+.1f} MiB (limit "
-              f"{r['rss_growth_limit'] / MiB:.0f}), slope {r['rss_slope_bytes_per_save'] / 1024:.1f} "
+              f"{r['rss_growth_limit'] / MiB:.0f}), "
+              f"slope {r['rss_slope_bytes_per_save'] / 1024:.1f} "
               f"KiB/save -> memory grows: {r['memory_grows']}; store at end "
               f"{r['store_bytes_at_end'] / MiB:.0f} MiB")
     print(f"peak RSS of the process: {peak / MiB:.0f} MiB")

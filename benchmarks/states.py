@@ -73,7 +73,8 @@ def one_big_state(size_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     state = {"embedding.weight": _fill(torch.empty(big // d, d), seed * 100_000, block)}
     small = max(4096, (size_bytes - big * 4) // 64 // 4)
     for i in range(64):
-        state[f"small.{i}"] = _fill(torch.empty(small if i % 2 else small // 16), seed * 100_000 + 1 + i, block)
+        state[f"small.{i}"] = _fill(torch.empty(small if i % 2 else small // 16),
+                                    seed * 100_000 + 1 + i, block)
     return state
 
 

@@ -145,7 +145,7 @@ class Backend:
             evict_page_cache(url)
 
 
-def storage_ceiling(be: "Backend", total: int = 256 * MiB, object_size: int = 16 * MiB,
+def storage_ceiling(be: Backend, total: int = 256 * MiB, object_size: int = 16 * MiB,
                     workers: int = 8) -> dict[str, float]:
     """Raw parallel PUT and GET throughput of the storage with plain s3fs (bytes/s): what any
     checkpointer can at best get out of this server on this machine, right now."""
@@ -167,7 +167,8 @@ def storage_ceiling(be: "Backend", total: int = 256 * MiB, object_size: int = 16
     out = {"put_bytes_per_s": n * object_size / put, "get_bytes_per_s": n * object_size / get,
            "object_size": object_size, "workers": workers, "total": n * object_size}
     log.info("  storage ceiling: PUT %.0f MiB/s, GET %.0f MiB/s (%d x %d MiB objects, %d streams)",
-             out["put_bytes_per_s"] / MiB, out["get_bytes_per_s"] / MiB, n, object_size // MiB, workers)
+             out["put_bytes_per_s"] / MiB, out["get_bytes_per_s"] / MiB, n, object_size // MiB,
+             workers)
     return out
 
 
@@ -205,7 +206,7 @@ class S3Env:
         self.proxy.stop()
         self.server.stop()
 
-    def __enter__(self) -> "S3Env":
+    def __enter__(self) -> S3Env:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -222,7 +223,7 @@ class LocalEnv:
     def stop(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalEnv":
+    def __enter__(self) -> LocalEnv:
         return self
 
     def __exit__(self, *exc: Any) -> None:

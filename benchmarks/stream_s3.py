@@ -95,7 +95,8 @@ def prepare(method: str, spec: dict[str, Any]) -> Any:
     if method != "Run:ai":
         return None
     options = spec["storage_options"]
-    os.environ.update({"AWS_ACCESS_KEY_ID": options["key"], "AWS_SECRET_ACCESS_KEY": options["secret"],
+    os.environ.update({"AWS_ACCESS_KEY_ID": options["key"],
+                       "AWS_SECRET_ACCESS_KEY": options["secret"],
                        "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
                        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                        "RUNAI_STREAMER_CONCURRENCY": str(spec["streams"]),
@@ -200,8 +201,8 @@ class Worker:
     """A warm process loading the model one way, on request."""
 
     def __init__(self, method: str, spec: dict[str, Any], python: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH"))
-                                                           if p))
+        paths = (REPO, os.environ.get("PYTHONPATH"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
         if method == "Run:ai":
             env["AWS_ENDPOINT_URL"] = spec["endpoint"]
         self.proc = subprocess.Popen([python, "-m", "benchmarks.stream_s3", "--serve", method,
@@ -264,7 +265,8 @@ def main() -> None:
     p.add_argument("--runai-python", default=sys.executable,
                    help="the interpreter of Run:ai's worker (one with runai-model-streamer-s3)")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--repeat", type=int, default=5, help="measured loads per method, after a warm-up")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="measured loads per method, after a warm-up")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -292,7 +294,8 @@ def main() -> None:
         for latency_ms, cap in parse_settings(args.settings):
             proxy = ProxyProcess(s3.endpoint, latency_s=latency_ms / 1000, conn_rate=cap * 1e6)
             spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
-                    "local_files": files, "storage_options": proxy.storage_options(s3.storage_options),
+                    "local_files": files,
+                    "storage_options": proxy.storage_options(s3.storage_options),
                     "endpoint": proxy.endpoint, "direct_options": s3.storage_options,
                     "streams": args.streams, "memory_limit": args.memory_limit_mb * MiB}
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
@@ -300,7 +303,8 @@ def main() -> None:
             try:
                 for m in methods:
                     print(f"warming up: {m} ...", flush=True)
-                    workers[m] = Worker(m, spec, args.runai_python if m == "Run:ai" else sys.executable)
+                    python = args.runai_python if m == "Run:ai" else sys.executable
+                    workers[m] = Worker(m, spec, python)
                 for attempt in range(args.repeat):  # alternating; the order flips every time
                     for method in (methods if attempt % 2 == 0 else methods[::-1]):
                         remote = not method.startswith("local") and "no proxy" not in method
@@ -348,8 +352,8 @@ def print_table(rows: list[tuple[str, dict]], total: int, args: argparse.Namespa
     capped = f"{cap:g} MB/s per connection" if cap else "no bandwidth cap"
     print(f"\nmodel: {total / 1e9:.2f} GB in {args.shards} shards; proxy: {latency_ms:g} ms "
           f"first byte per request, {capped}; median of {args.repeat} warm run(s)\n")
-    head = (f"{'method':<18} {'median s':>8} {'min-max s':>11} {'GB/s':>7} {'vs naive':>9} {'conns':>6} "
-            f"{'peak mem':>10} {'CPU s':>6}")
+    head = (f"{'method':<18} {'median s':>8} {'min-max s':>11} {'GB/s':>7} {'vs naive':>9} "
+            f"{'conns':>6} {'peak mem':>10} {'CPU s':>6}")
     print(head)
     print("-" * len(head))
     for method, r in rows:
@@ -360,12 +364,13 @@ def print_table(rows: list[tuple[str, dict]], total: int, args: argparse.Namespa
         ratio = f"{naive / r['seconds']:.2f}x" if naive else "-"
         conns = r.get("proxy", {}).get("peak_in_flight")
         spread = f"{min(r['all_seconds']):.2f}-{max(r['all_seconds']):.2f}"
-        print(f"{method:<18} {r['seconds']:>8.2f} {spread:>11} {gbps:>7.3f} {ratio:>9} {conns or '-':>6} "
-              f"{r['peak_mem'] / MiB:>6.0f} MiB {r['cpu_s']:>6.1f}")
+        print(f"{method:<18} {r['seconds']:>8.2f} {spread:>11} {gbps:>7.3f} {ratio:>9} "
+              f"{conns or '-':>6} {r['peak_mem'] / MiB:>6.0f} MiB {r['cpu_s']:>6.1f}")
     for name, value in ratios(rows).items():
         print(f"ratio {name}: {value:.2f}")
-    print("\nconns: peak concurrent requests seen by the proxy; peak mem: peak RSS above the loader's "
-          "baseline; CPU s: the loader process's CPU time (Run:ai's native threads included)")
+    print("\nconns: peak concurrent requests seen by the proxy; peak mem: peak RSS above the "
+          "loader's baseline; CPU s: the loader process's CPU time (Run:ai's native threads "
+          "included)")
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -379,7 +384,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         return
     settings = report["settings"]
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
+    for ax, setting in zip(axes[0], settings, strict=True):
         done = [(m, r["seconds"]) for m, r in setting["median"] if "seconds" in r]
         ax.bar([m for m, _ in done], [v for _, v in done])
         cap = f"{setting['conn_mbps']:g} MB/s/conn" if setting["conn_mbps"] else "no cap"

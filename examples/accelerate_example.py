@@ -1,4 +1,5 @@
-"""Accelerate with ckptturbo: ``python examples/accelerate_example.py [--url DIR|s3://...] [--cuda]``
+"""Accelerate with ckptturbo:
+``python examples/accelerate_example.py [--url DIR|s3://...] [--cuda]``
 (or under ``accelerate launch`` / ``torchrun`` with several processes).
 
 ``save_state(accelerator, url)`` replaces ``accelerator.save_state(dir)`` and returns once

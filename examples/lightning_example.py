@@ -19,7 +19,8 @@ from ckptturbo.integrations.lightning import TurboCheckpointIO, load_from_checkp
 class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -38,14 +39,16 @@ def main() -> None:
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
     trainer = pl.Trainer(accelerator="cuda" if args.cuda else "cpu", devices=1, max_epochs=3,
                          plugins=[TurboCheckpointIO()],  # <- the switch
-                         callbacks=[ModelCheckpoint(dirpath=args.dir, save_top_k=2, monitor="epoch", mode="max")],
+                         callbacks=[ModelCheckpoint(dirpath=args.dir, save_top_k=2, monitor="epoch",
+                                                    mode="max")],
                          logger=False)
     trainer.fit(Regressor(), data)
     resumed = pl.Trainer(accelerator="cuda" if args.cuda else "cpu", devices=1, max_epochs=4,
                          plugins=[TurboCheckpointIO()], logger=False, enable_checkpointing=False)
     resumed.fit(Regressor(), data, ckpt_path=trainer.checkpoint_callback.best_model_path)
     print("resumed at global step", resumed.global_step)
-    model = load_from_checkpoint(Regressor, trainer.checkpoint_callback.best_model_path)  # no Trainer
+    # for inference: no Trainer needed
+    model = load_from_checkpoint(Regressor, trainer.checkpoint_callback.best_model_path)
     print("loaded for inference:", type(model).__name__, model.net[0].weight.shape)
 
 

@@ -36,7 +36,8 @@ def train_fn(config: dict) -> None:
     state = {"model": msd, "optim": osd, "progress": {"epoch": torch.zeros((), dtype=torch.int64)}}
     start = 0
     if rt.load(state, storage_options=config["storage_options"]) is not None:
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         start = int(state["progress"]["epoch"]) + 1
     handle = None
     for epoch in range(start, start + config["epochs"]):
@@ -61,7 +62,8 @@ def main() -> None:
     from ray.train.torch import TorchTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--storage-path", default=os.path.join(tempfile.gettempdir(), "ray-ckptturbo"))
+    parser.add_argument("--storage-path",
+                        default=os.path.join(tempfile.gettempdir(), "ray-ckptturbo"))
     parser.add_argument("--endpoint", default=None, help="S3 endpoint URL (e.g. MinIO, SeaweedFS)")
     parser.add_argument("--name", default="example")
     parser.add_argument("--epochs", type=int, default=4)

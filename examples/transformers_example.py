@@ -1,4 +1,5 @@
-"""transformers Trainer with ckptturbo: ``python examples/transformers_example.py [--url DIR|s3://...] [--cuda]``.
+"""transformers Trainer with ckptturbo:
+``python examples/transformers_example.py [--url DIR|s3://...] [--cuda]``.
 
 ``TurboTrainer`` (or ``TurboTrainerMixin`` in front of your own Trainer subclass) makes the
 checkpoints that ``save_steps`` asks for async ckptturbo checkpoints and resumes from them
@@ -24,11 +25,13 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def trainer(url: str, cuda: bool, max_steps: int) -> TurboTrainer:
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2,
+                                       n_head=2))
     args = TrainingArguments(output_dir=".demo/transformers-out", max_steps=max_steps, save_steps=5,
                              save_total_limit=2, per_device_train_batch_size=8, report_to=[],
                              use_cpu=not cuda)
-    return TurboTrainer(model=model, args=args, train_dataset=Tokens(), turbo_url=url)  # <- the switch
+    # the switch: TurboTrainer where a Trainer was
+    return TurboTrainer(model=model, args=args, train_dataset=Tokens(), turbo_url=url)
 
 
 def main() -> None:
@@ -37,7 +40,8 @@ def main() -> None:
     p.add_argument("--cuda", action="store_true")
     args = p.parse_args()
     trainer(args.url, args.cuda, 10).train()
-    trainer(args.url, args.cuda, 15).train(resume_from_checkpoint=True)  # newest ckptturbo checkpoint
+    # resumes from the newest ckptturbo checkpoint
+    trainer(args.url, args.cuda, 15).train(resume_from_checkpoint=True)
     # save_total_limit=2 holds across the resume: checkpoint-10 and checkpoint-15 are left
 
 

@@ -55,7 +55,7 @@ def test_mutating_after_staged_keeps_values_at_call_time(tmp_path):
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     handle = ct.save(sd, str(tmp_path / "run" / "a"))
     handle.staged.result(timeout=60)
-    for k, v in sd.items():  # CPU tensors too: they were snapshotted into the pool
+    for v in sd.values():  # CPU tensors too: they were snapshotted into the pool
         if isinstance(v, torch.Tensor):
             v.fill_(-7.0)
     summary = handle.wait(timeout=60)
@@ -71,7 +71,8 @@ def test_pool_smaller_than_state_stages_in_waves(tmp_path):
     handle = ct.save(sd, str(tmp_path / "run" / "a"), pool_bytes=2 << 20, chunk_size=1 << 20)
     summary = handle.wait(timeout=120)
     assert summary.bytes_staged >= 8 << 20  # plus the pickled "step"
-    writer = next(w for w in ct.default_session()._kept.values() if w.url.startswith(str(tmp_path)))
+    writers = ct.default_session()._kept.values()
+    writer = next(w for w in writers if w.url.startswith(str(tmp_path)))
     assert writer._pool.capacity == 2 << 20 and writer._pool.peak_in_use <= 2 << 20
     out = zeros(sd)
     ct.load(out, str(tmp_path / "run" / "a"))

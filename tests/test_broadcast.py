@@ -19,8 +19,9 @@ from ckptturbo.testing.launcher import RankFailure, run_distributed
 PIECE = 64 << 10
 # Both directions between the same pair, sizes 0, 1, piece edges, chains of one rank.
 TWO_RANK_TRANSFERS = [Transfer(1, 3 * PIECE + 17, (0, 1)), Transfer(2, 1_000_000, (1, 0)),
-                      Transfer(3, 0, (0, 1)), Transfer(4, 1, (1, 0)), Transfer(5, 2 * PIECE, (0, 1)),
-                      Transfer(6, 12345, (0,)), Transfer(7, 0, (1,)), Transfer(8, PIECE + 1, (1,))]
+                      Transfer(3, 0, (0, 1)), Transfer(4, 1, (1, 0)),
+                      Transfer(5, 2 * PIECE, (0, 1)), Transfer(6, 12345, (0,)),
+                      Transfer(7, 0, (1,)), Transfer(8, PIECE + 1, (1,))]
 
 
 def pattern(t: Transfer) -> torch.Tensor:
@@ -212,7 +213,8 @@ def _receive_into_destinations(rank: int, world: int) -> tuple[bool, bool, str]:
     bc.run(transfers, uneven_source, lambda t, b: got.__setitem__(t.tid, b),
            lambda t: destination if t.tid == 1 else None)
     same = got[1].data_ptr() == destination.data_ptr()
-    exact = torch.equal(got[1], pattern(transfers[0])) and torch.equal(got[2], pattern(transfers[1]))
+    exact = (torch.equal(got[1], pattern(transfers[0]))
+             and torch.equal(got[2], pattern(transfers[1])))
     refused = ""
     try:  # a buffer of the wrong size is refused before any byte lands in it
         ChainBroadcaster(piece_size=PIECE, timeout=3).run(
@@ -244,9 +246,11 @@ def test_without_process_group_chains_of_one_work() -> None:
 def test_source_yielding_wrong_length_is_an_integrity_error() -> None:
     bc = ChainBroadcaster(piece_size=PIECE)
     with pytest.raises(IntegrityError, match="transfer 3"):
-        bc.run([Transfer(3, 100, (0,))], lambda t: iter([torch.zeros(99, dtype=torch.uint8)]), Checker())
+        bc.run([Transfer(3, 100, (0,))], lambda t: iter([torch.zeros(99, dtype=torch.uint8)]),
+               Checker())
     with pytest.raises(IntegrityError, match="more than 100"):
-        bc.run([Transfer(3, 100, (0,))], lambda t: iter([torch.zeros(101, dtype=torch.uint8)]), Checker())
+        bc.run([Transfer(3, 100, (0,))], lambda t: iter([torch.zeros(101, dtype=torch.uint8)]),
+               Checker())
 
 
 def test_schedule_pipelines_a_chain_and_bounds_buffers() -> None:

@@ -63,8 +63,8 @@ def test_commands_that_need_no_tensors_do_not_import_torch(run, argv):
 
 def test_the_command_imports_no_torch_and_a_program_gets_every_public_name_at_once():
     env = {**os.environ, "PYTHONPATH": REPO}
-    command = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptturbo.cli", "--version"],
-                             env=env, capture_output=True, text=True, timeout=120)
+    command = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptturbo.cli",
+                              "--version"], env=env, capture_output=True, text=True, timeout=120)
     assert command.returncode == 0 and "ckptturbo" in command.stdout, command.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in command.stderr.splitlines()]
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
@@ -144,7 +144,8 @@ def test_ls_of_a_checkpoint_lists_it_and_says_so(run, capsys):
 
 
 def test_inspect_says_what_is_there_instead_of_a_checkpoint(run, tmp_path, capsys):
-    one_line_error(*cli(capsys, "inspect", run), "is a run, not a checkpoint", f"ckptturbo ls {run}")
+    one_line_error(*cli(capsys, "inspect", run), "is a run, not a checkpoint",
+                   f"ckptturbo ls {run}")
     plain = tmp_path / "plain-dcp" / "step-1"
     import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():  # DCP's "assuming a single process" must not reach stderr
@@ -160,7 +161,8 @@ def test_inspect_of_a_missing_bucket_names_the_bucket(s3_server, capsys):
     """Before: "manifest.json is missing", while ls said the bucket does not exist."""
     opts = json.dumps(s3_server.storage_options)
     one_line_error(*cli(capsys, "inspect", "s3://no-such-bucket-ckptturbo/run/step-1",
-                        "--storage-options", opts), "bucket s3://no-such-bucket-ckptturbo does not exist")
+                        "--storage-options", opts),
+                   "bucket s3://no-such-bucket-ckptturbo does not exist")
     one_line_error(*cli(capsys, "ls", s3_server.url("never-written"), "--storage-options", opts),
                    "does not exist")
 
@@ -174,7 +176,8 @@ def test_export_dcp_to_a_bad_destination_is_one_line_exit_2(run, tmp_path, capsy
                    "cannot export to", target)
 
 
-def test_export_dcp_keeps_safe_objects_and_skips_unsafe_ones_with_one_warning(tmp_path, capsys, caplog):
+def test_export_dcp_keeps_safe_objects_and_skips_unsafe_ones_with_one_warning(tmp_path, capsys,
+                                                                              caplog):
     """An AdamW's step, lr, betas and eps load with the restricted unpickler, so they are
     exported without --allow-pickle (before: skipped, one warning each); an object of an
     arbitrary class still needs --allow-pickle."""
@@ -200,7 +203,8 @@ def test_export_dcp_keeps_safe_objects_and_skips_unsafe_ones_with_one_warning(tm
                                    "exp_avg_sq": torch.zeros(3)}},
                      "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "eps": 0.0,
                                        "weight_decay": 0.0, "amsgrad": False, "maximize": False,
-                                       "foreach": None, "capturable": False, "differentiable": False,
+                                       "foreach": None, "capturable": False,
+                                       "differentiable": False,
                                        "fused": None, "decoupled_weight_decay": True,
                                        "params": [0, 1]}]}}
     dcp.load(got, storage_reader=FileSystemReader(dest))

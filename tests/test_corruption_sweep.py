@@ -157,7 +157,7 @@ def test_every_damaged_chunk_fails_a_grouped_load_on_every_rank(tmp_path):
     per_rank = run_distributed(_grouped_sweep, 2, url, cids, timeout=300)
     detected = 0
     for rank, outcomes in enumerate(per_rank):
-        for cid, outcome in zip(cids, outcomes):
+        for cid, outcome in zip(cids, outcomes, strict=True):
             assert outcome.startswith("IntegrityError") and cid in outcome, (rank, cid, outcome)
             assert all(repr(u) in outcome for u in users[cid]), (rank, cid, outcome)
             detected += 1

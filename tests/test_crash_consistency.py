@@ -2,8 +2,8 @@
 
 A real 2-rank gloo job (torch.distributed.run, tests/jobs/save_loop.py) saves a checkpoint
 every step; the test SIGKILLs the whole job, or one rank, a random delay (drawn from a seeded
-generator) after its first commit, then checks what a restarted job would see: every checkpoint `ls` lists
-loads bit-exact (its state is a pure function of its step), a step directory without a
+generator) after its first commit, then checks what a restarted job would see: every checkpoint `ls`
+lists loads bit-exact (its state is a pure function of its step), a step directory without a
 manifest cannot be loaded, and, once the dead job's pending markers have outlived their
 short lease, gc removes exactly the orphaned chunks (those no committed manifest names) and
 every committed checkpoint still loads bit-exact. A gc killed at a random moment leaves
@@ -112,7 +112,8 @@ def _check_visible_state(run: str, options: dict | None) -> list[str]:
     for info in committed:
         step = int(info.name.split("-")[1])
         expected = state_of(step)
-        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in expected.items()}
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
+               for k, v in expected.items()}
         ct.load(out, info.url, storage_options=options)
         for key, value in expected.items():
             if isinstance(value, torch.Tensor):
@@ -128,7 +129,8 @@ def _check_visible_state(run: str, options: dict | None) -> list[str]:
     return sorted(names)
 
 
-def _runs(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Callable[[str], str], dict | None]:
+def _runs(store: str, tmp_path: Path,
+          request: pytest.FixtureRequest) -> tuple[Callable[[str], str], dict | None]:
     """Where a test's runs go: a function naming a fresh run on ``store``, and its options."""
     if store == "local":
         return (lambda name: str(tmp_path / name)), None
@@ -147,7 +149,8 @@ def test_killed_jobs_leave_only_verifiable_checkpoints(store, tmp_path, request,
     for trial in range(TRIALS[store]):
         run = run_url(f"crash-{trial}")
         victim = "job" if trial % 2 == 0 else "rank"
-        out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim, logs=tmp_path / "logs")
+        out = _run_and_kill(run, options, delay=rng.uniform(0.0, 4.0), victim=victim,
+                            logs=tmp_path / "logs")
         names = _check_visible_state(run, options)
         seen_committed += len(names)
         # not a wait for an event but the protocol's timeout, counted from the kill: after
@@ -244,12 +247,15 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
     for trial in range(trials):
         _store_with_orphans(run, options, steps=3, keep=1)  # steps 1-2 orphaned
         # the new save dedups against orphaned chunks (step 2's) and writes new ones
-        state = dict(state_of(2), extra=torch.randn(4 << 20, generator=torch.Generator().manual_seed(trial)))
-        refused, stop = [], False
+        extra = torch.randn(4 << 20, generator=torch.Generator().manual_seed(trial))
+        state = dict(state_of(2), extra=extra)
+        refused: list[float] = []
         errors: list[BaseException] = []
+        stop = threading.Event()
 
-        def gc_loop() -> None:
-            while not stop:
+        def gc_loop(stop: threading.Event, refused: list[float],
+                    errors: list[BaseException]) -> None:
+            while not stop.is_set():
                 try:
                     catalog.collect_garbage(run, options)
                 except SaveInProgress:
@@ -257,21 +263,25 @@ def test_gc_beside_a_save_never_deletes_its_chunks(store, tmp_path, request, mon
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
                     return
-                time.sleep(0.02)  # workload: a gc every 20 ms beside the save
+                stop.wait(0.02)  # workload: a gc every 20 ms beside the save
 
-        thread = threading.Thread(target=gc_loop)
+        thread = threading.Thread(target=gc_loop, args=(stop, refused, errors))
         thread.start()
         try:
             ct.save(state, f"{run}/trial-{trial}", storage_options=options,
                     chunk_size=64 << 10, pack_threshold=16 << 10).wait(timeout=120)
         finally:
-            stop = True
+            stop.set()
             thread.join(60)
         assert not errors, errors
-        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state.items()}
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0)
+               for k, v in state.items()}
         ct.load(out, f"{run}/trial-{trial}", storage_options=options)
         for key, value in state.items():
-            assert torch.equal(out[key], value) if isinstance(value, torch.Tensor) else out[key] == value
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(out[key], value)
+            else:
+                assert out[key] == value
         time.sleep(0.7)  # the last marker's final lease (0.6 s): a timeout, not an event
         _gc_and_check(run, options)
         ct.delete(f"{run}/step-3", storage_options=options)

@@ -105,7 +105,8 @@ class ModelAndOptim(Stateful):
 
 def _trained(seed: int, steps: int, model: torch.nn.Module | None = None, optim=None):
     torch.manual_seed(seed)
-    model = model or torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = model or torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(),
+                                         torch.nn.Linear(8, 3))
     optim = optim or torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
@@ -128,7 +129,8 @@ def test_stateful_objects_round_trip(kind, tmp_path):
     dcp.load({"app": ModelAndOptim(fresh, fresh_optim), "progress": progress},
              storage_reader=reader(kind, url))
     assert progress.step == 3 and progress.losses == losses
-    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+    pairs = zip(model.state_dict().items(), fresh.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
         assert torch.equal(a, b), name
     # the restored optimizer continues exactly as the original would have
     _, _, expected = _trained(5, 2, model, optim)
@@ -176,7 +178,8 @@ def test_validate_checkpoint_id_matches_dcp(tmp_path):
            f"file://{tmp_path}/run/a", "memory://run/a", "s3://bucket/run/a", "abc://abc.abc",
            "abc://bucket/run/a"]
     for cid in ids:
-        dcp_says = FileSystemWriter.validate_checkpoint_id(cid) or FsspecWriter.validate_checkpoint_id(cid)
+        dcp_says = (FileSystemWriter.validate_checkpoint_id(cid)
+                    or FsspecWriter.validate_checkpoint_id(cid))
         assert ct.TurboWriter.validate_checkpoint_id(cid) is dcp_says, cid
         assert ct.TurboReader.validate_checkpoint_id(cid) is dcp_says, cid
     # DCP raises on some of these; ckptturbo answers False to anything it cannot serve,
@@ -240,7 +243,8 @@ def test_conversion_to_a_torch_save_file(kind, tmp_path):
         by_dcp = torch.load(str(tmp_path / "by_dcp.pt"), weights_only=False)
         assert by_dcp.keys() == got.keys() and by_dcp["blob"].getvalue() == got["blob"].getvalue()
     assert torch.equal(got["model"]["w"], sd["model"]["w"])
-    assert all(torch.equal(a, b) for a, b in zip(got["model"]["layers"], sd["model"]["layers"]))
+    layers = zip(got["model"]["layers"], sd["model"]["layers"], strict=True)
+    assert all(torch.equal(a, b) for a, b in layers)
     assert (got["step"], got["name"], got["blob"].getvalue()) == (11, "run-a", blob.getvalue())
 
 
@@ -262,11 +266,13 @@ def test_objects_needing_full_unpickling_need_the_one_switch(tmp_path):
     sd = {"w": torch.ones(2), "payload": _RunsCode(str(marker))}
     for kind in KINDS:
         dcp.save(sd, storage_writer=writer(kind, ckpt(tmp_path, kind)))
-    dcp.load({"w": torch.zeros(2), "payload": None}, storage_reader=reader("dcp", ckpt(tmp_path, "dcp")))
+    dcp.load({"w": torch.zeros(2), "payload": None},
+             storage_reader=reader("dcp", ckpt(tmp_path, "dcp")))
     assert marker.exists()  # DCP ran the stored code
     marker.unlink()
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"w": torch.zeros(2), "payload": None}, storage_reader=reader("turbo", ckpt(tmp_path, "turbo")))
+        dcp.load({"w": torch.zeros(2), "payload": None},
+                 storage_reader=reader("turbo", ckpt(tmp_path, "turbo")))
     (inner,) = failures(info.value)
     assert isinstance(inner, ct.FormatError) and "'payload'" in str(inner)
     assert not marker.exists()
@@ -307,14 +313,16 @@ def _layout(world: int, placement, zeros: bool) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     full = torch.zeros(ROWS, COLS) if zeros else _global()
     return {"dtensor": distribute_tensor(full, mesh, [placement]),
-            "sharded": _sharded_tensor(world, placement.dim if hasattr(placement, "dim") else 0, zeros),
+            "sharded": _sharded_tensor(world, placement.dim if hasattr(placement, "dim") else 0,
+                                       zeros),
             "step": 0 if zeros else 5}
 
 
 def _check(sd: dict) -> None:
     assert torch.equal(sd["dtensor"].full_tensor(), _global())
     for shard in sd["sharded"].local_shards():
-        assert torch.equal(shard.tensor, _box(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
+        box = _box(shard.metadata.shard_offsets, shard.metadata.shard_sizes)
+        assert torch.equal(shard.tensor, box)
     assert sd["step"] == 5
 
 
@@ -326,7 +334,8 @@ def reshard_save_rank(rank: int, world: int, kind: str, url: str) -> None:
     dcp.load(out, storage_reader=reader(kind, url))
     _check(out)
     try:  # overwrite=False is refused on every rank, not only where storage was asked
-        dcp.save(_layout(world, Shard(0), zeros=True), storage_writer=writer(kind, url, overwrite=False))
+        dcp.save(_layout(world, Shard(0), zeros=True),
+                 storage_writer=writer(kind, url, overwrite=False))
     except CheckpointException:
         pass
     else:
@@ -359,7 +368,8 @@ def ddp_round_trip_rank(rank: int, world: int, kind: str, url: str) -> list[floa
 
     def make(seed: int):
         torch.manual_seed(seed)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)))
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(),
+                                        torch.nn.Linear(8, 3)))
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def train(model, optim, steps: int, seed: int) -> list[float]:
@@ -387,7 +397,7 @@ def ddp_round_trip_rank(rank: int, world: int, kind: str, url: str) -> list[floa
              storage_reader=reader(kind, url))
     assert progress.step == 3 and [round(x, 6) for x in progress.losses] == losses
     assert train(fresh, fresh_optim, 2, seed=2) == expected
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
     return expected
 
@@ -397,7 +407,8 @@ def test_ddp_train_state_with_bytesio_round_trip(tmp_path):
     same seeds both give the same continued training."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        by_kind = {kind: run_distributed(ddp_round_trip_rank, 2, kind, ckpt(tmp_path, kind), timeout=180)
+        by_kind = {kind: run_distributed(ddp_round_trip_rank, 2, kind, ckpt(tmp_path, kind),
+                                         timeout=180)
                    for kind in KINDS}
     assert by_kind["turbo"] == by_kind["dcp"]
 

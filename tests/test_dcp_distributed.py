@@ -248,7 +248,8 @@ def test_corrupted_chunk_makes_every_rank_raise(tmp_path):
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
     outcomes = run_distributed(_load_outcome, 4, url, timeout=240)
-    assert all(o.startswith("IntegrityError") and cid in o and "ddp.emb" in o for o in outcomes), outcomes
+    assert all(o.startswith("IntegrityError") and cid in o and "ddp.emb" in o
+               for o in outcomes), outcomes
 
 
 class _DiesOnFirstTensor(torch.distributed.checkpoint.DefaultLoadPlanner):
@@ -297,7 +298,8 @@ def load_rank_s3(rank: int, world: int, url: str, opts: dict) -> int:
 def test_grouped_load_from_s3_reads_each_chunk_once(s3_server):
     url = s3_server.url("run") + "/step-1"
     opts = s3_server.storage_options
-    dcp.save(build_state(1, zeros=False), storage_writer=ct.TurboWriter(url, opts, chunk_size=CHUNK))
+    dcp.save(build_state(1, zeros=False),
+             storage_writer=ct.TurboWriter(url, opts, chunk_size=CHUNK))
     unique = Location(url, opts).read_manifest().unique_bytes
     fetched = run_distributed(load_rank_s3, 3, url, opts, timeout=240)
     assert sum(fetched) == unique, (fetched, unique)

@@ -73,7 +73,8 @@ def test_round_trip_local(tmp_path, scheme):
     assert w_pieces[0] == -(-300 * 257 * 4 // (64 << 10)) and len(w_pieces) == 1 + 3 * w_pieces[0]
     chunk_files = list((tmp_path / "run" / ".ckptturbo" / "chunks").rglob("*"))
     ids = manifest["chunk_ids"]
-    assert {p.name for p in chunk_files if p.is_file()} == {ids[i:i + 64] for i in range(0, len(ids), 64)}
+    assert ({p.name for p in chunk_files if p.is_file()}
+            == {ids[i:i + 64] for i in range(0, len(ids), 64)})
 
 
 def test_round_trip_s3(s3_server):
@@ -186,7 +187,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
 def reseal(doc: dict) -> bytes:
     """The manifest with a checksum matching its (edited) content, as docs/format.md defines it."""
     doc.pop("blake3", None)
-    doc["blake3"] = blake3.blake3(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+    canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 

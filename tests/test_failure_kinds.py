@@ -12,6 +12,7 @@ import errno
 import logging
 import re
 import time
+from itertools import pairwise
 
 import aiohttp
 import botocore.exceptions as boto
@@ -160,7 +161,8 @@ def fresh_outage_state(monkeypatch):
 
 
 def progress_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "ckptturbo.retry" and r.levelno == logging.WARNING]
+    return [r for r in caplog.records
+            if r.name == "ckptturbo.retry" and r.levelno == logging.WARNING]
 
 
 def test_silent_store_fails_the_save_within_the_deadline_and_says_so_meanwhile(
@@ -183,7 +185,7 @@ def test_silent_store_fails_the_save_within_the_deadline_and_says_so_meanwhile(
     warned = progress_warnings(caplog)
     assert len(warned) >= 1, [r.getMessage() for r in caplog.records]
     times = [started] + [r.created for r in warned] + [ended]
-    assert max(b - a for a, b in zip(times, times[1:])) <= 10.5, times
+    assert max(b - a for a, b in pairwise(times)) <= 10.5, times
     text = warned[-1].getMessage()
     assert "waiting for s3://" in text and "silent" in text  # the store and the request
     assert re.search(r"for \d+s", text)  # how long it has waited
@@ -212,7 +214,8 @@ def test_partition_mid_transfer_fails_within_one_bound(
     if not upload:
         ct.save(sd, f"{run}/step-1", storage_options=s3_server.storage_options,
                 **CHUNKING).wait(timeout=120)
-    faults = Faults(**{kind: 1.0}, methods=("PUT",) if upload else ("GET",), path_contains="/chunks/")
+    faults = Faults(**{kind: 1.0}, methods=("PUT",) if upload else ("GET",),
+                    path_contains="/chunks/")
     with FaultProxy(s3_server.endpoint, faults=faults) as proxy:
         options = proxy.storage_options(s3_server.storage_options)
         started = time.monotonic()

@@ -139,13 +139,15 @@ def test_a_model_that_does_not_fit_names_url_and_tensor(tmp_path, accelerator):
 def run_two_ranks(tmp_path: Path, url: str, storage_options: dict | None = None,
                   single: str | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "--log-dir", str(tmp_path / "logs"), str(SCRIPT), "--url", url, "--out", str(tmp_path / "obs")]
+           "--log-dir", str(tmp_path / "logs"), str(SCRIPT), "--url", url,
+           "--out", str(tmp_path / "obs")]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
     if single:
         cmd += ["--single", single]
     code, output = run_command(cmd, cwd=tmp_path, timeout=150)
-    assert code == 0, f"accelerate run {'timed out' if code is None else 'failed'}:\n{output[-4000:]}"
+    outcome = "timed out" if code is None else "failed"
+    assert code == 0, f"accelerate run {outcome}:\n{output[-4000:]}"
     return [torch.load(tmp_path / f"obs.rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
@@ -154,12 +156,12 @@ def assert_restored(observed: list[dict]) -> None:
         saved, loaded = obs["saved"], obs["loaded"]
         for k in saved["model"]:
             assert torch.equal(saved["model"][k], loaded["model"][k]), (rank, k)
-        s, l = saved["optim"], loaded["optim"]
-        assert s["state"].keys() == l["state"].keys() and len(s["state"]) == 4
+        s, ld = saved["optim"], loaded["optim"]
+        assert s["state"].keys() == ld["state"].keys() and len(s["state"]) == 4
         for i in s["state"]:
             for k in s["state"][i]:
-                assert torch.equal(s["state"][i][k], l["state"][i][k]), (rank, i, k)
-        assert s["param_groups"] == l["param_groups"]
+                assert torch.equal(s["state"][i][k], ld["state"][i][k]), (rank, i, k)
+        assert s["param_groups"] == ld["param_groups"]
         for key in ("sched", "counter", "step", "py_rng", "np_rng"):
             assert saved[key] == loaded[key], (rank, key)
         assert torch.equal(saved["torch_rng"], loaded["torch_rng"]), rank
@@ -201,7 +203,8 @@ def test_tiered_save_state_lands_in_host_memory_and_loads_from_it(tmp_path, acce
     model, _, _, counter = prepared(accelerator, seed=5)
     saved, counter.n = weights(model), 7
     handle = save_state(accelerator, url, storage_options=opts, tiers=tiers)
-    assert isinstance(handle, ct.TieredSaveHandle) and handle.wait() is None and not handle.persisted
+    assert isinstance(handle, ct.TieredSaveHandle)
+    assert handle.wait() is None and not handle.persisted
     assert not ct.exists(url, storage_options=opts)  # memory only: never reported durable
     with torch.no_grad():
         for p in model.parameters():

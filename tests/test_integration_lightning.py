@@ -32,10 +32,13 @@ def run_ddp(tmp_path: Path, dirpath: str, out: Path, *, epochs: int, top_k: int,
         cmd += ["--resume", resume]
     if s3 is not None:
         cmd += ["--storage-options", json.dumps(s3.storage_options)]
-        # ModelCheckpoint's own fsspec filesystem (exists/isdir on dirpath) reads fsspec's env config.
-        env.update(FSSPEC_S3_ENDPOINT_URL=s3.endpoint, FSSPEC_S3_KEY=s3.key, FSSPEC_S3_SECRET=s3.secret)
+        # ModelCheckpoint's own fsspec filesystem (exists/isdir on dirpath) reads fsspec's env
+        # config.
+        env.update(FSSPEC_S3_ENDPOINT_URL=s3.endpoint, FSSPEC_S3_KEY=s3.key,
+                   FSSPEC_S3_SECRET=s3.secret)
     code, output = run_command(cmd, cwd=tmp_path, env=env, timeout=240)
-    assert code == 0, f"Lightning DDP run {'timed out' if code is None else 'failed'}:\n{output[-4000:]}"
+    outcome = "timed out" if code is None else "failed"
+    assert code == 0, f"Lightning DDP run {outcome}:\n{output[-4000:]}"
     for rank in (0, 1):  # teardown closed the plugin's session on every rank
         left = json.loads(Path(f"{out}.threads{rank}.json").read_text())
         assert not [name for name in left if name.startswith("ckptturbo")], (rank, left)
@@ -80,8 +83,10 @@ def lightning_like_checkpoint() -> dict:
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 4}}}},
         "callbacks": {"ModelCheckpoint{'monitor': 'x'}": {"best_model_score": torch.tensor(0.5),
                                                           "best_k_models": {}}},
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(40.0), "exp_avg": torch.ones(16, 8)}},
-                              "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0]}]}],
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(40.0),
+                                            "exp_avg": torch.ones(16, 8)}},
+                              "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999),
+                                                "params": [0]}]}],
         "lr_schedulers": [{"last_epoch": 3}],
         "hyper_parameters": {"width": 16},
     }
@@ -95,7 +100,7 @@ def assert_equal_tree(a, b, path="") -> None:
             assert_equal_tree(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_equal_tree(x, y, f"{path}/{i}")
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), path
@@ -175,24 +180,28 @@ def test_failed_save_surfaces_on_next_save_or_teardown(tmp_path):
 
 
 def test_model_parallel_sharded_save_and_resume(tmp_path):
-    """FSDP2-sharded ModelParallelStrategy on 2 CPU ranks: each rank saves its shards; resume is exact."""
+    """FSDP2-sharded ModelParallelStrategy on 2 CPU ranks: each rank saves its shards; resume is
+    exact."""
     script = Path(__file__).parent / "integration_scripts" / "lightning_model_parallel.py"
 
     def run(*argv: str) -> None:
-        proc = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=240)
+        proc = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=240)
         assert proc.returncode == 0, proc.stdout[-4000:]
 
     run(str(tmp_path / "a"), "3")
     ckpt = ct.TurboReader(str(tmp_path / "a" / "epoch=1-step=8.ckpt")).read_manifest()
-    assert any(len(item.shards) == 2 for item in ckpt.items.values())  # saved as shards, not gathered
+    # saved as shards, not gathered
+    assert any(len(item.shards) == 2 for item in ckpt.items.values())
     run(str(tmp_path / "b"), "3", str(tmp_path / "a" / "epoch=1-step=8.ckpt"))
     a = torch.load(tmp_path / "a.final.pt")
     assert_same_tensors(a, torch.load(tmp_path / "b.final.pt"))
     # tiered (turbo_tiers, every second checkpoint persisted): resume from one only in memory
     mem = str(tmp_path / "mem")
     run(str(tmp_path / "c"), "3", "--tiers", mem)
-    assert [c.name for c in catalog.list_checkpoints(str(tmp_path / "c"))] == ["epoch=1-step=8.ckpt"]
+    listed = catalog.list_checkpoints(str(tmp_path / "c"))
+    assert [c.name for c in listed] == ["epoch=1-step=8.ckpt"]
     run(str(tmp_path / "d"), "3", str(tmp_path / "c" / "epoch=0-step=4.ckpt"), "--tiers", mem)
     assert_same_tensors(a, torch.load(tmp_path / "d.final.pt"))
 

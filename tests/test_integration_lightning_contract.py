@@ -39,8 +39,8 @@ class NotATensor:
         self.value = value
 
 
-def make_trainer(root: Path, plugin=None, *, epochs: int = 1, callbacks=(), checkpointing: bool = True,
-                 ) -> pl.Trainer:
+def make_trainer(root: Path, plugin=None, *, epochs: int = 1, callbacks=(),
+                 checkpointing: bool = True) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, default_root_dir=root,
                       plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks),
                       enable_checkpointing=checkpointing, logger=False, enable_progress_bar=False,
@@ -75,7 +75,8 @@ def test_remove_during_save_waits_for_it_and_leaves_nothing(tmp_path):
         saver.save_checkpoint({"state_dict": {"w": torch.randn(4 << 20)}}, run / "a.ckpt")
         io.remove_checkpoint(run / "a.ckpt")
         saver.teardown()
-        assert not ct.exists(str(run / "a.ckpt")), "the save in flight resurrected a removed checkpoint"
+        assert not ct.exists(str(run / "a.ckpt")), (
+            "the save in flight resurrected a removed checkpoint")
         assert list(run.glob("*.ckpt")) == []
     remover.teardown()
 
@@ -131,7 +132,8 @@ def test_only_ckptturbo_errors_leave_the_plugin(tmp_path):
         io.load_checkpoint(garbage)
     assert caught.value.__cause__ is not None and str(garbage) in str(caught.value)
     with pytest.raises(ct.CkptTurboError) as caught:
-        io.save_checkpoint({"state_dict": {}}, tmp_path / "run" / "x.ckpt", storage_options="not a mapping")
+        io.save_checkpoint({"state_dict": {}}, tmp_path / "run" / "x.ckpt",
+                           storage_options="not a mapping")
     assert isinstance(caught.value.__cause__, (TypeError, ValueError))
     io.teardown()
 
@@ -147,7 +149,8 @@ def test_missing_checkpoint_message_and_no_thread_left_by_a_load(tmp_path):
     saver.teardown()
     before = set(threading.enumerate())
     io = TurboCheckpointIO()
-    with pytest.raises(FileNotFoundError, match=f"Checkpoint file not found: {tmp_path / 'missing.ckpt'}"):
+    missing = f"Checkpoint file not found: {tmp_path / 'missing.ckpt'}"
+    with pytest.raises(FileNotFoundError, match=missing):
         io.load_checkpoint(tmp_path / "missing.ckpt")
     assert io.load_checkpoint(path)["epoch"] == 3
     assert new_threads(before) == []
@@ -194,7 +197,8 @@ def test_second_trainer_loads_what_the_first_just_saved(tmp_path):
     first.save_checkpoint(path)  # returns once staged; the upload goes on
     second = make_trainer(tmp_path, TurboCheckpointIO(), checkpointing=False)
     resumed = Ballasted()
-    second.fit(resumed, data(), ckpt_path=path)  # already at max_epochs: restores, trains no further
+    # already at max_epochs: restores, trains no further
+    second.fit(resumed, data(), ckpt_path=path)
     assert second.global_step == STEPS_PER_EPOCH
     assert_same_weights(model, resumed)
     first.strategy.checkpoint_io.teardown()
@@ -208,11 +212,13 @@ def test_hpc_resume_picks_the_newest_hpc_checkpoint(tmp_path):
     for _ in range(12):
         with torch.no_grad():
             model.net[0].weight.add_(1.0)
-        trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(tmp_path))  # as SIGUSR1 does
+        # as SIGUSR1 does
+        trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(tmp_path))
     assert sorted(p.name for p in tmp_path.glob("hpc_ckpt_*")) == sorted(
         f"hpc_ckpt_{n}.ckpt" for n in range(1, 13))
     resumed = Ballasted()
-    make_trainer(tmp_path, TurboCheckpointIO(), checkpointing=False).fit(resumed, data(), ckpt_path="hpc")
+    resuming = make_trainer(tmp_path, TurboCheckpointIO(), checkpointing=False)
+    resuming.fit(resumed, data(), ckpt_path="hpc")
     assert_same_weights(model, resumed)
     trainer.strategy.checkpoint_io.teardown()
 
@@ -221,7 +227,8 @@ def test_async_checkpoint_io_with_top_k_trains_to_the_end(tmp_path):
     """Lightning's AsyncCheckpointIO removes old checkpoints while their saves may be in flight."""
     run = tmp_path / "run"
     before = set(threading.enumerate())
-    ckpt = ModelCheckpoint(dirpath=run, save_top_k=1, monitor="step", mode="max", every_n_train_steps=1)
+    ckpt = ModelCheckpoint(dirpath=run, save_top_k=1, monitor="step", mode="max",
+                           every_n_train_steps=1)
     inner = TurboCheckpointIO()
     trainer = make_trainer(tmp_path, AsyncCheckpointIO(inner), epochs=2, callbacks=[ckpt])
     trainer.fit(Ballasted(), data())
@@ -281,7 +288,8 @@ def test_tiers_persist_every_nth_and_resume_from_memory_or_the_path(tmp_path):
     listed = ct.list_checkpoints(str(run), tiers=tiers)
     assert [(c.name, c.tiers) for c in listed] == [
         (n, ("memory",) if e % 2 == 0 else ("memory", "durable")) for e, n in enumerate(names)]
-    assert [c.name for c in catalog.list_checkpoints(str(run))] == names[1::2]  # the path holds these
+    # the path holds these
+    assert [c.name for c in catalog.list_checkpoints(str(run))] == names[1::2]
 
     for epoch in (2, 3):  # memory only; both
         resumed = Tiny()
@@ -293,7 +301,8 @@ def test_tiers_persist_every_nth_and_resume_from_memory_or_the_path(tmp_path):
 
     io = TurboCheckpointIO(tiers=tiers)
     io.remove_checkpoint(run / names[1])
-    assert [c.name for c in ct.list_checkpoints(str(run), tiers=tiers)] == [names[0], names[2], names[3]]
+    listed = ct.list_checkpoints(str(run), tiers=tiers)
+    assert [c.name for c in listed] == [names[0], names[2], names[3]]
     assert not (run / names[1]).exists()
     shutil.rmtree(mem)  # the node's memory is lost: what was only there is gone
     with pytest.raises(ct.CheckpointNotFound, match="Checkpoint file not found"):

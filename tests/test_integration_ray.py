@@ -33,7 +33,8 @@ def local_ray():
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     # the controller collects reports (and deletes checkpoints past num_to_keep) when it
     # polls the workers, every 2 s by default: longer than this short run's save interval
-    env = {"PYTHONPATH": TESTS, "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+    env = {"PYTHONPATH": TESTS, "RAY_AUTH_MODE": "disabled",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
              runtime_env={"env_vars": env})
     yield

@@ -51,17 +51,18 @@ class StepCounter(TrainerCallback):
 def make_trainer(out: str, seed: int, cls=TurboTrainer, max_steps: int = 6, best: bool = False,
                  save_steps: int = 2, **turbo) -> Trainer:
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                       use_cache=False))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=2, use_cache=False))
     extra = {}
     if best:
         extra = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
-                     metric_for_best_model="score", greater_is_better=False, per_device_eval_batch_size=8)
+                     metric_for_best_model="score", greater_is_better=False,
+                     per_device_eval_batch_size=8)
     args = TrainingArguments(output_dir=out, max_steps=max_steps, save_steps=save_steps,
                              save_total_limit=2,
-                             per_device_train_batch_size=4, learning_rate=1e-3, seed=0, report_to=[],
-                             use_cpu=True, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-                             **extra)
+                             per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
+                             report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
+                             dataloader_num_workers=0, **extra)
     holder: dict = {}
     kwargs = dict(model=model, args=args, train_dataset=Tokens(), callbacks=[StepCounter()])
     if best:  # a score that depends only on the step, so which checkpoint is best is known
@@ -73,7 +74,8 @@ def make_trainer(out: str, seed: int, cls=TurboTrainer, max_steps: int = 6, best
 
 
 def steps_run(trainer: Trainer) -> list[int]:
-    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepCounter)).steps
+    callbacks = trainer.callback_handler.callbacks
+    return next(cb for cb in callbacks if isinstance(cb, StepCounter)).steps
 
 
 def training_state(trainer: Trainer) -> dict:
@@ -89,7 +91,8 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def names(root: str, opts: dict | None = None) -> list[str]:
-    return sorted((c.name for c in catalog.list_checkpoints(root, opts)), key=lambda n: int(n.split("-")[1]))
+    return sorted((c.name for c in catalog.list_checkpoints(root, opts)),
+                  key=lambda n: int(n.split("-")[1]))
 
 
 def model_of(url: str, opts: dict | None = None) -> dict:
@@ -108,7 +111,8 @@ def test_async_checkpoints_limit_and_exact_resume_local(tmp_path):
     a.train()
     assert names(out) == ["checkpoint-4", "checkpoint-6"]  # save_steps=2, save_total_limit=2
     assert catalog.collect_garbage(out, dry_run=True).deleted == 0
-    b = make_trainer(str(tmp_path / "out_b"), seed=1)  # different init: everything must come from the checkpoint
+    # different init: everything must come from the checkpoint
+    b = make_trainer(str(tmp_path / "out_b"), seed=1)
     b.train(resume_from_checkpoint=f"{out}/checkpoint-4")
     assert_same(training_state(a), training_state(b))
 
@@ -135,12 +139,15 @@ def test_best_model_and_limit_as_the_trainer_does(tmp_path):
     out = str(tmp_path / "out")
     t = make_trainer(out, seed=0, max_steps=8, best=True)
     t.train()
-    assert names(out) == ["checkpoint-4", "checkpoint-8"] == kept_by_hf  # the best survives the limit
+    # the best survives the limit
+    assert names(out) == ["checkpoint-4", "checkpoint-8"] == kept_by_hf
     assert t.state.best_model_checkpoint == f"{out}/checkpoint-4"
     final = {k: v.clone() for k, v in t.model.state_dict().items()}
-    assert_same_weights(final, model_of(f"{out}/checkpoint-4"))  # the best one was loaded at the end
+    # the best one was loaded at the end
+    assert_same_weights(final, model_of(f"{out}/checkpoint-4"))
     assert_same_weights(final, dict(ref.model.state_dict()))
-    assert not torch.equal(final["lm_head.weight"], model_of(f"{out}/checkpoint-8")["lm_head.weight"])
+    last = model_of(f"{out}/checkpoint-8")
+    assert not torch.equal(final["lm_head.weight"], last["lm_head.weight"])
 
 
 def test_best_model_kept_and_loaded_after_resume_s3(tmp_path, s3_server):
@@ -196,7 +203,8 @@ def test_callback_alone_limit_and_best(tmp_path):
     t = make_trainer(out, seed=0, cls=Trainer, max_steps=8, best=True)
     t.add_callback(TurboCheckpointCallback())
     t.train()
-    assert not list((tmp_path / "out").glob("checkpoint-*/model.safetensors"))  # the Trainer wrote nothing
+    # the Trainer wrote nothing
+    assert not list((tmp_path / "out").glob("checkpoint-*/model.safetensors"))
     assert names(out) == ["checkpoint-4", "checkpoint-8"]
     assert t.state.best_model_checkpoint == f"{out}/checkpoint-4"
     assert_same_weights(dict(t.model.state_dict()), model_of(f"{out}/checkpoint-4"))
@@ -220,9 +228,11 @@ def test_resume_reads_a_save_still_in_flight_s3(tmp_path, s3_server):
     """resume_from_checkpoint=True right after a save returned (staged, not yet durable) in the
     same process resumes from that save: the listing waits for it."""
     root, opts = s3_server.url("inflight"), s3_server.storage_options
-    a = make_trainer(str(tmp_path / "a"), seed=0, max_steps=4, turbo_url=root, turbo_storage_options=opts)
+    a = make_trainer(str(tmp_path / "a"), seed=0, max_steps=4, turbo_url=root,
+                     turbo_storage_options=opts)
     a.train()
-    b = make_trainer(str(tmp_path / "b"), seed=1, max_steps=8, turbo_url=root, turbo_storage_options=opts)
+    b = make_trainer(str(tmp_path / "b"), seed=1, max_steps=8, turbo_url=root,
+                     turbo_storage_options=opts)
     a.state.global_step = 6
     a.args.save_total_limit = None  # no rotation: its listing would wait for the save
     handle = a.turbo.save(a.args, a.state, model=a.model, optimizer=a.optimizer,
@@ -302,7 +312,8 @@ def test_callbacks_are_the_trainers(tmp_path):
 
 def test_errors_are_ckptturbo_errors(tmp_path, s3_server):
     opts = s3_server.storage_options
-    t = make_trainer(str(tmp_path / "out"), seed=0, turbo_url=s3_server.url("empty"), turbo_storage_options=opts)
+    t = make_trainer(str(tmp_path / "out"), seed=0, turbo_url=s3_server.url("empty"),
+                     turbo_storage_options=opts)
     with pytest.raises(ct.CheckpointNotFound, match="nope"):
         t.train(resume_from_checkpoint=s3_server.url("empty/nope"))
     blocker = tmp_path / "a-file"

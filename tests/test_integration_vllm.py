@@ -33,7 +33,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, s3_server):
-    """(local HF dir with weights, local config-only dir, safetensors URL, checkpoint URL, tensors)."""
+    """(local HF dir with weights, local config-only dir, safetensors URL, checkpoint URL,
+    tensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tiny-llama")
@@ -81,8 +82,8 @@ def test_entry_point_registers_idempotently(caplog):
         register()
         register()
     assert "already registered" not in caplog.text
-    loader = get_model_loader(LoadConfig(load_format="ckptturbo",
-                                         model_loader_extra_config={"url": "s3://b/m", "lookahead": 3}))
+    extra = {"url": "s3://b/m", "lookahead": 3}
+    loader = get_model_loader(LoadConfig(load_format="ckptturbo", model_loader_extra_config=extra))
     assert isinstance(loader, ctv.CkptTurboModelLoader)
     assert loader.options.lookahead == 3
 
@@ -141,8 +142,8 @@ def _scratch_env(tmp_path, **extra: str) -> dict[str, str]:
 def _engine(tmp_path, name, model_dir, load_format, extra, tp=1):
     out = str(tmp_path / f"{name}.pt")
     env = _scratch_env(tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0" if tp == 1 else "1")
-    proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_run.py"), model_dir,
-                           load_format, json.dumps(extra), out, str(tp)],
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_run.py"),
+                           model_dir, load_format, json.dumps(extra), out, str(tp)],
                           env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return torch.load(out)
@@ -172,7 +173,8 @@ def test_tensor_parallel_workers_read_storage_once(s3_server, tiny_model, tmp_pa
         out = str(tmp_path / "tp")
         proc = subprocess.run([sys.executable, os.path.join(TESTS, "integration_vllm_tp.py"),
                                str(_free_port()), extra, out],
-                              env=_scratch_env(tmp_path), capture_output=True, text=True, timeout=300)
+                              env=_scratch_env(tmp_path), capture_output=True, text=True,
+                              timeout=300)
         assert proc.returncode == 0, proc.stderr[-6000:]
         fetched = proxy.control.stats().bytes_down
     for rank in (0, 1):

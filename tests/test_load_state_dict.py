@@ -24,7 +24,7 @@ def _assert_same(a, b, path: str = "") -> None:
             _assert_same(a[key], b[key], f"{path}/{key}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{path}/{i}")
     else:
         assert a == b, (path, a, b)
@@ -73,7 +73,8 @@ def test_device_templates_and_dtype(tmp_path):
 
     with pytest.raises(ct.MismatchError, match="'nope' is not in the checkpoint"):
         ct.load_state_dict(url, templates={"nope": torch.empty(1)})
-    with pytest.raises(ct.MismatchError, match=r"'w': shape \(30, 40\) in the template, \(40, 30\)"):
+    with pytest.raises(ct.MismatchError,
+                       match=r"'w': shape \(30, 40\) in the template, \(40, 30\)"):
         ct.load_state_dict(url, templates={"w": torch.empty(30, 40)})
 
 

@@ -25,7 +25,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[Hea
 def seal(doc: object) -> bytes:
     if isinstance(doc, dict):
         doc = {k: v for k, v in doc.items() if k != "blake3"}
-        doc["blake3"] = blake3.blake3(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+        canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 
@@ -33,15 +34,17 @@ def seal(doc: object) -> bytes:
 def valid_doc(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fuzz")
     url = str(root / "run" / "step-1")
-    sd = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3, dtype=torch.bfloat16),
-          "step": 3}
+    sd = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8),
+          "b": torch.ones(3, dtype=torch.bfloat16), "step": 3}
     ct.save(sd, url, chunk_size=128, pack_threshold=64).wait(timeout=60)
     return json.loads((root / "run" / "step-1" / "manifest.json").read_text())
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=70),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=70),
+    lambda inner: (st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=12)
 
 

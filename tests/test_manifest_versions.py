@@ -39,7 +39,7 @@ def assert_same(a: object, b: object) -> None:
             assert_same(a[k], b[k])
     elif isinstance(a, list):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_same(x, y)
     elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -49,7 +49,8 @@ def assert_same(a: object, b: object) -> None:
 
 def seal(doc: dict) -> bytes:
     doc = {k: v for k, v in doc.items() if k != "blake3"}
-    doc["blake3"] = blake3.blake3(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+    canonical = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    doc["blake3"] = blake3.blake3(canonical).hexdigest()
     return json.dumps(doc).encode()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -35,10 +36,11 @@ def exact_optimum(groups: list[tuple[int, tuple[int, ...]]], weights: list[float
 
 
 def makespan(per_rank: list[int], weights: list[float]) -> float:
-    return max(b / w for b, w in zip(per_rank, weights))
+    return max(b / w for b, w in zip(per_rank, weights, strict=True))
 
 
-def check_write_plan(items: list[PlanItem], plan: list[list[ByteRange]], n: int, chunk: int) -> None:
+def check_write_plan(items: list[PlanItem], plan: list[list[ByteRange]], n: int,
+                     chunk: int) -> None:
     """Every byte once, only on holders, chunk-aligned, adjacent same-rank ranges merged."""
     assert len(plan) == n
     by_key = {it.key: it for it in items}
@@ -59,7 +61,7 @@ def check_write_plan(items: list[PlanItem], plan: list[list[ByteRange]], n: int,
             assert [s[:2] for s in spans] == [(0, 0)]
             continue
         assert spans[0][0] == 0 and spans[-1][1] == by_key[key].nbytes
-        for (s0, e0, r0), (s1, e1, r1) in zip(spans, spans[1:]):
+        for (s0, e0, r0), (s1, e1, r1) in pairwise(spans):
             assert s0 < e0 == s1 < e1
             assert r0 != r1, "adjacent ranges on one rank must be merged"
 
@@ -86,7 +88,7 @@ def laminar_family(draw, ranks: list[int]) -> list[tuple[int, ...]]:
     family = [tuple(ranks)]
     if len(ranks) > 1 and draw(st.booleans()):
         cuts = sorted(draw(st.sets(st.integers(1, len(ranks) - 1), max_size=2)))
-        for a, b in zip([0, *cuts], [*cuts, len(ranks)]):
+        for a, b in pairwise([0, *cuts, len(ranks)]):
             family += draw(laminar_family(ranks[a:b]))
     return family
 
@@ -106,7 +108,8 @@ def write_problems(draw, laminar: bool):
     chunk = draw(st.integers(1, 8))
     family = draw(holder_family(n, laminar))
     sizes = draw(st.lists(st.integers(0, 40), max_size=10))
-    items = [PlanItem(f"item{i}", size, draw(st.sampled_from(family))) for i, size in enumerate(sizes)]
+    items = [PlanItem(f"item{i}", size, draw(st.sampled_from(family)))
+             for i, size in enumerate(sizes)]
     weights = draw(st.none() | st.lists(WEIGHTS, min_size=n, max_size=n))
     return items, n, chunk, weights
 
@@ -116,7 +119,8 @@ def read_problems(draw, laminar: bool):
     n = draw(st.integers(1, 6))
     family = draw(holder_family(n, laminar))
     sizes = draw(st.lists(st.integers(0, 20), max_size=14))
-    needs = [ReadNeed(f"{i:064x}", size, draw(st.sampled_from(family))) for i, size in enumerate(sizes)]
+    needs = [ReadNeed(f"{i:064x}", size, draw(st.sampled_from(family)))
+             for i, size in enumerate(sizes)]
     weights = draw(st.none() | st.lists(WEIGHTS, min_size=n, max_size=n))
     return needs, n, weights
 
@@ -240,7 +244,8 @@ def test_hsdp_mesh_is_within_one_chunk_of_bound():
     groups = [tuple(s + k * shards for k in range(world // shards)) for s in range(shards)]
     items = [PlanItem(f"p{p}@{s}", rng.randrange(1, 200) * MiB, groups[s])
              for p in range(8) for s in range(shards)]
-    items += [PlanItem(f"norm{i}", rng.randrange(1, 64) << 10, tuple(range(world))) for i in range(50)]
+    items += [PlanItem(f"norm{i}", rng.randrange(1, 64) << 10, tuple(range(world)))
+              for i in range(50)]
     items += [PlanItem("embed", 1 << 30, tuple(range(world)))]
     plan = plan_writes(items, world, chunk_size=16 * MiB)
     check_write_plan(items, plan, world, 16 * MiB)

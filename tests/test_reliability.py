@@ -186,8 +186,10 @@ def test_no_secret_leaks_into_errors_logs_or_reprs(s3_server, caplog, monkeypatc
     for url, opts in cases:
         writer, reader = ct.TurboWriter(url, opts), ct.TurboReader(url, opts)
         texts += [repr(writer), repr(reader), repr(Store(url, opts))]
-        for attempt in (lambda: ct.save(sd, url, storage_options=opts).wait(timeout=120),
-                        lambda: ct.load({"w": torch.zeros(4)}, url, storage_options=opts)):
+        for attempt in (
+            lambda url=url, opts=opts: ct.save(sd, url, storage_options=opts).wait(timeout=120),
+            lambda url=url, opts=opts: ct.load({"w": torch.zeros(4)}, url, storage_options=opts),
+        ):
             with pytest.raises(ct.CkptTurboError) as info:
                 attempt()
             chain = info.value
@@ -203,8 +205,10 @@ def test_no_secret_leaks_into_errors_logs_or_reprs(s3_server, caplog, monkeypatc
 def test_listing_a_missing_bucket_is_an_error(s3_server):
     """An absent prefix lists as empty, but an absent bucket is a wrong URL, not an empty run."""
     opts = s3_server.storage_options
-    listing = subprocess.run([sys.executable, "-m", "ckptturbo.cli", "ls", "s3://no-such-bucket-ckptturbo/run",
-                              "--storage-options", json.dumps(opts)], capture_output=True, text=True, timeout=120)
+    listing = subprocess.run([sys.executable, "-m", "ckptturbo.cli", "ls",
+                              "s3://no-such-bucket-ckptturbo/run",
+                              "--storage-options", json.dumps(opts)],
+                             capture_output=True, text=True, timeout=120)
     assert listing.returncode != 0
     assert "no-such-bucket-ckptturbo does not exist" in listing.stderr
     assert Store(s3_server.url("empty"), opts).list_dirs(s3_server.url("empty")[5:]) == []

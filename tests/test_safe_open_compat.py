@@ -86,7 +86,8 @@ def test_every_dtype_matches_safetensors(tmp_path, opener):
 def test_f4_rows_and_packed_shapes(tmp_path, opener):
     packed = torch.randint(0, 256, (6, 5), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     path = str(tmp_path / "f4.safetensors")
-    save_file({"w": packed, "v": torch.arange(8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, path)
+    save_file({"w": packed, "v": torch.arange(8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)},
+              path)
     with opener(path, "pt") as f:
         s = f.get_slice("w")
         assert s.get_shape() == [6, 10] and s.get_dtype() == "F4"  # the header's shape
@@ -102,7 +103,8 @@ def test_sub_byte_dtypes_torch_lacks_raise_a_safetensors_error(tmp_path, opener)
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(6))
     with opener(str(path)) as f:
         for name, cause in (("f6", "no torch equivalent"), ("odd", "even last dimension")):
-            with pytest.raises(SafeOpenFormatError, match=f"f6.safetensors: tensor '{name}'.*{cause}") as e:
+            with pytest.raises(SafeOpenFormatError,
+                               match=f"f6.safetensors: tensor '{name}'.*{cause}") as e:
                 f.get_tensor(name)
             assert isinstance(e.value, SafetensorError) and isinstance(e.value, FormatError)
 
@@ -112,7 +114,8 @@ def test_misaligned_tensors_are_read(tmp_path, opener):
     header = json.dumps({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}).encode()
     path = tmp_path / "odd.safetensors"
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x07" + struct.pack("<2f", 1.5, -2))
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x07"
+                     + struct.pack("<2f", 1.5, -2))
     with opener(str(path)) as f:
         want = torch.tensor([1.5, -2.0])
         assert torch.equal(f.get_tensor("b"), want) and torch.equal(f.get_tensors()["b"], want)
@@ -155,10 +158,12 @@ def test_missing_tensor_and_missing_file(tmp_path, opener):
     save_file({"a": torch.zeros(1)}, path)
     with opener(path) as f:
         for call in (f.get_tensor, f.get_slice):
-            with pytest.raises(TensorNotFoundError, match="m.safetensors: File does not contain tensor 'zz'") as e:
+            with pytest.raises(TensorNotFoundError,
+                               match="m.safetensors: File does not contain tensor 'zz'") as e:
                 call("zz")
             assert isinstance(e.value, SafetensorError) and isinstance(e.value, MismatchError)
-    with pytest.raises(FileNotFoundError, match=r"^No such file or directory: .*gone\.safetensors$") as e:
+    with pytest.raises(FileNotFoundError,
+                       match=r"^No such file or directory: .*gone\.safetensors$") as e:
         opener(str(tmp_path / "gone.safetensors"))
     assert isinstance(e.value, CheckpointNotFound)
 
@@ -188,7 +193,8 @@ def test_torch_indexing_matches_safetensors(tmp_path, opener):
                 r[bad]
             with pytest.raises(SliceIndexError, match="m.safetensors: tensor 'a' of shape") as e:
                 s[bad]
-            assert isinstance(e.value, type(ref_error.value)) and isinstance(e.value, SafetensorError)
+            assert isinstance(e.value, type(ref_error.value))
+            assert isinstance(e.value, SafetensorError)
 
 
 def test_numpy_framework_matches_safetensors(tmp_path, opener):
@@ -202,7 +208,8 @@ def test_numpy_framework_matches_safetensors(tmp_path, opener):
                 assert isinstance(got, np.ndarray) and got.dtype == want.dtype
                 np.testing.assert_array_equal(got, want)
             s, r = f.get_slice("a"), ref.get_slice("a")
-            for index in (slice(None), (), slice(None, 2), (0, slice(None, 2)), (slice(2, None), -5), []):
+            for index in (slice(None), (), slice(None, 2), (0, slice(None, 2)),
+                          (slice(2, None), -5), []):
                 np.testing.assert_array_equal(s[index], r[index])
             for bad in ((slice(2, None), -6), [0, 1], (slice(2, None), 20), slice(None, 20),
                         (slice(None), slice(None, 20))):
@@ -222,13 +229,15 @@ def test_frameworks_devices_and_backends(tmp_path):
             for backend in ("mmap", "pread"):
                 with safe_open(path, framework, device, backend=backend) as f:
                     assert f.get_tensor("bf").device.type == "cpu"
-    with safe_open(path, "np") as f, pytest.raises(SafeOpenFormatError, match="tensor 'bf': dtype BF16"):
+    with (safe_open(path, "np") as f,
+          pytest.raises(SafeOpenFormatError, match="tensor 'bf': dtype BF16")):
         f.get_tensor("bf")  # numpy has no bfloat16 (safetensors fails here too)
     bad = [({"framework": "tf"}, "framework 'tf' is not supported"),
            ({"framework": "bogus"}, "framework 'bogus' is invalid"),
            ({"backend": "nope"}, "backend 'nope' is invalid"),
            ({"device": "bogus"}, "device 'bogus' is invalid"),
-           ({"framework": "np", "device": "cuda:0"}, "device 'cuda:0' is not supported for framework 'numpy'")]
+           ({"framework": "np", "device": "cuda:0"},
+            "device 'cuda:0' is not supported for framework 'numpy'")]
     for kwargs, message in bad:
         with pytest.raises((SafetensorError, ImportError)):  # tensorflow: when a tensor is read
             ref_open(path, **{"framework": "pt", **kwargs}).get_tensor("f")

@@ -95,13 +95,17 @@ def test_failures_are_classified_by_type_not_message():
     assert "s3://b/run/a" in str(error) and "RuntimeError: connection reset by peer" in str(error)
     # DCP's wrapper (a BaseException) becomes an Exception naming the rank's own failure
     inner = TypeError("cannot pickle '_thread.lock' object")
-    error = as_ckptturbo_error(CheckpointException("save failed", {0: _wrap_exception(inner)}), "u", "saving")
-    assert isinstance(error, Exception) and error.__cause__ is inner and "cannot pickle" in str(error)
+    failed = CheckpointException("save failed", {0: _wrap_exception(inner)})
+    error = as_ckptturbo_error(failed, "u", "saving")
+    assert isinstance(error, Exception) and error.__cause__ is inner
+    assert "cannot pickle" in str(error)
     interrupt = KeyboardInterrupt()
     assert as_ckptturbo_error(interrupt, "u", "loading") is interrupt
     # gloo reports a dead peer as a plain RuntimeError raised inside a c10d collective; a
     # failure gathered from another rank keeps only its stack summary
     gloo = RuntimeError("Read error")
-    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather", None)])
-    comm = as_ckptturbo_error(CheckpointException("load failed", {2: (gloo, stack)}), "u", "loading")
+    stack = traceback.StackSummary.from_list([(distributed_c10d.__file__, 4287, "all_gather",
+                                               None)])
+    comm = as_ckptturbo_error(CheckpointException("load failed", {2: (gloo, stack)}), "u",
+                              "loading")
     assert isinstance(comm, ct.CommunicationError) and comm.__cause__ is gloo

@@ -228,9 +228,11 @@ def test_payload_is_unsigned_and_plain_http_puts_carry_a_crc32(s3_server):
     assert signing({"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}) is False
     assert signing({"config_kwargs": {"s3": {"payload_signing_enabled": True}}}) is True
     assert _s3_config({}, 32)["max_pool_connections"] == 32
-    assert _s3_config({"config_kwargs": {"max_pool_connections": 4}}, 32)["max_pool_connections"] == 4
+    pool_of_4 = _s3_config({"config_kwargs": {"max_pool_connections": 4}}, 32)
+    assert pool_of_4["max_pool_connections"] == 4
     assert Store(s3_server.url(), s3_server.storage_options)._crc_puts is True
-    signed = {**s3_server.storage_options, "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
+    signed = {**s3_server.storage_options,
+              "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
     assert Store(s3_server.url(), signed)._crc_puts is False
     tls = {**s3_server.storage_options, "client_kwargs": {"endpoint_url": "https://127.0.0.1:1"}}
     assert Store(s3_server.url(), tls)._crc_puts is False

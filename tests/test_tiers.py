@@ -88,7 +88,8 @@ def test_overwrite_false_refuses_a_checkpoint_in_either_tier(tmp_path, s3_server
         with pytest.raises(ct.CheckpointExists):  # in memory only
             s.save(tiered_state(2), f"{run}/step-1", storage_options=opts, tiers=tiers,
                    overwrite=False).wait()
-        s.save(tiered_state(3), f"{run}/step-3", storage_options=opts, tiers=tiers, persist=True).wait()
+        s.save(tiered_state(3), f"{run}/step-3", storage_options=opts, tiers=tiers,
+               persist=True).wait()
         shutil.rmtree(tiers.memory_dir)  # durable only now
         with pytest.raises(ct.CheckpointExists, match="step-3"):
             s.save(tiered_state(4), f"{run}/step-3", storage_options=opts, tiers=tiers,
@@ -111,7 +112,8 @@ def test_list_exists_and_delete_see_both_tiers_under_durable_names(tmp_path, s3_
         assert pending[-1].name == "step-3" and (pending[-1].pending or pending[-1].tiers)
         listed = s.list_checkpoints(run, storage_options=opts, tiers=tiers)
         assert [(c.name, c.tiers, c.url) for c in listed] == [
-            ("step-1", ("memory",), f"{run}/step-1"), ("step-2", ("memory", "durable"), f"{run}/step-2"),
+            ("step-1", ("memory",), f"{run}/step-1"),
+            ("step-2", ("memory", "durable"), f"{run}/step-2"),
             ("step-3", ("memory",), f"{run}/step-3")]
         assert [c.name for c in s.list_checkpoints(run, storage_options=opts)] == ["step-2"]
         assert s.exists(f"{run}/step-1", storage_options=opts, tiers=tiers)
@@ -119,7 +121,8 @@ def test_list_exists_and_delete_see_both_tiers_under_durable_names(tmp_path, s3_
         s.delete(f"{run}/step-1", storage_options=opts, tiers=tiers)
         s.delete(f"{run}/step-2", storage_options=opts, tiers=tiers)
         assert not s.exists(f"{run}/step-2", storage_options=opts, tiers=tiers)
-        assert [c.name for c in s.list_checkpoints(run, storage_options=opts, tiers=tiers)] == ["step-3"]
+        listed = s.list_checkpoints(run, storage_options=opts, tiers=tiers)
+        assert [c.name for c in listed] == ["step-3"]
         with pytest.raises(ct.CheckpointNotFound, match="step-1"):
             s.delete(f"{run}/step-1", storage_options=opts, tiers=tiers)
         with pytest.raises(ct.CkptTurboError, match="store='.' cannot be combined"):
@@ -145,7 +148,8 @@ def test_memory_tier_evicts_the_oldest_checkpoints_to_fit_its_budget(tmp_path, s
         assert _same(out, tiered_state(6))
 
 
-def test_a_killed_process_recovers_from_memory_then_a_lost_node_from_the_durable_store(tmp_path, s3_server):
+def test_a_killed_process_recovers_from_memory_then_a_lost_node_from_the_durable_store(
+        tmp_path, s3_server):
     run, opts, memory = s3_server.url(), s3_server.storage_options, str(tmp_path / "mem")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
     code, output = run_command([sys.executable, str(JOB), run, memory, json.dumps(opts)],
@@ -178,10 +182,13 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
     own = {i: {f"w{rank}": tiered_state(10 * i + rank)["w"]} for i in (1, 2, 3)}
     with ct.Session() as s:
         for i in (1, 2, 3):
-            handle = s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts, tiers=tiers)
+            handle = s.save({**own[i], "step": i}, f"{run}/step-{i}", storage_options=opts,
+                            tiers=tiers)
             handle.wait()
-            assert handle.replicated.result() == ct.Replicated(copies=1, chunks_sent=0, bytes_sent=0)
-        assert _memory_names(tiers, run) == ["step-1", "step-2", "step-3"]  # manifests on every node
+            nothing_sent = ct.Replicated(copies=1, chunks_sent=0, bytes_sent=0)
+            assert handle.replicated.result() == nothing_sent
+        # manifests on every node
+        assert _memory_names(tiers, run) == ["step-1", "step-2", "step-3"]
         assert not list((Path(tiers.memory_run(run)) / ".ckptturbo" / "pending").glob("*"))
         assert _durable_names(run, opts) == ["step-2"]
 
@@ -209,7 +216,8 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
         assert recovered.url == f"{run}/step-2", (rank, recovered)
         assert torch.equal(out[f"w{rank}"], own[2][f"w{rank}"])
         assert (recovered.bytes_from_durable > 0) == (rank == 1)
-        assert recovered.manifest_tier == "memory"  # node 1 adopted node 0's copy, not the durable one
+        # node 1 adopted node 0's copy, not the durable one
+        assert recovered.manifest_tier == "memory"
 
         # a chunk the holder cannot read (truncated in node 0's memory): it is sent as zeros,
         # so neither rank waits for the other, and both fail naming the cause
@@ -217,8 +225,8 @@ def _two_nodes(rank: int, world: int, run: str, opts: dict, memory: str) -> None
         if rank == 0:
             chunks = Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks"
             path = next(p for p in chunks.rglob("*") if p.is_file() and p.stat().st_size == 200_000
-                        and torch.equal(torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.float32),
-                                        own[3]["w0"]))
+                        and torch.equal(torch.frombuffer(bytearray(p.read_bytes()),
+                                                         dtype=torch.float32), own[3]["w0"]))
             path.write_bytes(path.read_bytes()[:1000])
         dist.barrier()
         out = {"w0": torch.zeros(50_000)} if rank == 1 else {}
@@ -248,12 +256,13 @@ def _save_on_nodes(rank: int, world: int, run: str, opts: dict, memory: str, ste
     done = []
     with ct.Session() as s:
         for step in range(1, steps + 1):
-            handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+            handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts,
+                            tiers=tiers)
             handle.staged.result()
             handle.wait()
             done.append((handle.persisted, handle.replicated.result()))
-    held = sum(f.stat().st_size for f in (Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks").rglob("*")
-               if f.is_file())
+    chunks = Path(tiers.memory_run(run)) / ".ckptturbo" / "chunks"
+    held = sum(f.stat().st_size for f in chunks.rglob("*") if f.is_file())
     return [done, held]
 
 
@@ -267,7 +276,8 @@ def _recover_on_nodes(rank: int, world: int, run: str, opts: dict, memory: str) 
         torch.equal(out["shared"], _sharded(rank, out["step"])["shared"])
 
 
-def test_a_lost_node_recovers_from_its_peers_replicas_without_reading_the_durable_store(tmp_path, s3_server):
+def test_a_lost_node_recovers_from_its_peers_replicas_without_reading_the_durable_store(
+        tmp_path, s3_server):
     """Two nodes of two ranks: each save copies each node's chunks into the other node's
     memory; a node lost and restarted gets them back from there, 0 bytes from the store;
     with every node lost, the newest durable checkpoint loads."""
@@ -315,7 +325,8 @@ def test_peer_plans_place_copies_on_other_nodes_and_spread_uploads():
     assert plan_fetches(chunks, lacking, nodes, held) == [Copy(a, 10, 0, 3), Copy(c, 30, 4, 2)]
     assert plan_fetches({**chunks, "d" * 64: 1}, {2: {"d" * 64}}, nodes, held) == []  # durable
     both = plan_fetches(chunks, {0: {b}, 4: {b}, 5: {a}}, nodes, {"n0": {a}, "n1": {b}})
-    assert both == [Copy(b, 20, 2, 0), Copy(a, 10, 0, 5), Copy(b, 20, 3, 4)]  # a node's ranks share sending
+    # a node's ranks share sending
+    assert both == [Copy(b, 20, 2, 0), Copy(a, 10, 0, 5), Copy(b, 20, 3, 4)]
     share = spread(chunks, held)
     assert sorted(x for v in share.values() for x in v) == sorted(chunks)  # each chunk once
     assert share["n0"] == [a] and share["n1"] == [b] and share["n2"] == [c]
@@ -346,7 +357,8 @@ def test_a_persist_runs_behind_the_next_save(tmp_path, s3_server):
     tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
     with FaultProxy(s3_server.endpoint, latency_s=0.3) as proxy, ct.Session() as s:
         slow = proxy.storage_options(s3_server.storage_options)
-        first = s.save(tiered_state(1), f"{run}/step-1", storage_options=slow, tiers=tiers, persist=True)
+        first = s.save(tiered_state(1), f"{run}/step-1", storage_options=slow, tiers=tiers,
+                       persist=True)
         first.local.result()
         second = s.save(tiered_state(2), f"{run}/step-2", storage_options=slow, tiers=tiers)
         second.local.result()  # committed to memory while the first persist still uploads
@@ -365,10 +377,12 @@ def test_persists_queue_within_the_memory_budget_and_a_save_over_it_waits(tmp_pa
     with FaultProxy(s3_server.endpoint, latency_s=0.3) as proxy, ct.Session() as s:
         slow = proxy.storage_options(s3_server.storage_options)
         for tiers, step in ((roomy, 1), (tight, 3)):
-            first = s.save(tiered_state(step), f"{run}/step-{step}", storage_options=slow, tiers=tiers)
+            first = s.save(tiered_state(step), f"{run}/step-{step}", storage_options=slow,
+                           tiers=tiers)
             first.local.result()
             assert not first.durable.done()  # the persist takes a few round trips of 0.3 s
-            second = s.save(tiered_state(step + 1), f"{run}/step-{step + 1}", storage_options=slow, tiers=tiers)
+            second = s.save(tiered_state(step + 1), f"{run}/step-{step + 1}", storage_options=slow,
+                            tiers=tiers)
             assert first.durable.done() == (tiers is tight)
             assert first.wait() is not None and second.wait() is not None
         assert _durable_names(run, slow) == ["step-1", "step-2", "step-3", "step-4"]
@@ -387,7 +401,8 @@ def test_every_tier_is_a_chunk_store(tmp_path, s3_server):
     data = b"x" * 1000
     cid = chunk_id(data)
     memory.put(memory.join(memory.root, cid), data)
-    copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable, durable.join(durable.root, cid))
+    copy_chunk(cid, len(data), memory, memory.join(memory.root, cid), durable,
+               durable.join(durable.root, cid))
     assert durable.get(durable.join(durable.root, cid), 10, 20) == data[10:20]
     memory.put(memory.join(memory.root, cid), b"y" * 1000)  # damaged at rest: never copied on
     with pytest.raises(IntegrityError, match="corrupt"):
@@ -405,7 +420,8 @@ def test_a_memory_manifest_damaged_at_rest_is_refused_by_its_checksum(tmp_path, 
         path.write_bytes(path.read_bytes().replace(b'"step"', b'"stap"'))
 
     with ct.Session() as s:
-        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers, persist=True).wait()
+        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers,
+               persist=True).wait()
         s.save(tiered_state(2), f"{run}/step-2", storage_options=opts, tiers=tiers).wait()
         damage("step-2")  # only in memory: it cannot be verified, so it is not a candidate
         out = _empty()
@@ -452,7 +468,8 @@ def _save_until_killed(rank: int, world: int, run: str, opts: dict, memory: str,
     tiers = ct.Tiers(memory=memory, persist_every=2)
     with ct.Session() as s:
         for step in range(1, 100_000):  # until node 1 dies and the group breaks
-            handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+            handle = s.save(_sharded(rank, step), f"{run}/step-{step}", storage_options=opts,
+                            tiers=tiers)
             handle.replicated.result()
             if _node_of(rank) != victim and rank % 2 == 0:
                 Path(progress).write_text(str(step))
@@ -508,6 +525,7 @@ def test_a_node_killed_at_a_random_moment_leaves_every_tier_verifiable(tmp_path,
     assert len(steps) == 1 and all(exact for _, exact in results)
     step = steps.pop()
     assert f"step-{step}" in names and step >= replicated, (step, replicated, sorted(names))
-    durable = [int(c.name.rsplit("-", 1)[1]) for c in ct.list_checkpoints(run, storage_options=opts)]
+    durable = [int(c.name.rsplit("-", 1)[1])
+               for c in ct.list_checkpoints(run, storage_options=opts)]
     if step > max(durable, default=0):  # only in memory: node 1's chunks from its peers
         assert all(r.bytes_from_durable == 0 for r, _ in results)

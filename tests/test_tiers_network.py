@@ -46,8 +46,8 @@ def bounded(monkeypatch):
 def _state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(100 * step + rank)
     shared = torch.Generator().manual_seed(step)
-    return {f"w{rank}": torch.randn(200_000, generator=g), "shared": torch.randn(100_000, generator=shared),
-            "step": step}
+    return {f"w{rank}": torch.randn(200_000, generator=g),
+            "shared": torch.randn(100_000, generator=shared), "step": step}
 
 
 def _empty(rank: int) -> dict:
@@ -56,14 +56,16 @@ def _empty(rank: int) -> dict:
 
 def _exact(rank: int, out: dict) -> bool:
     want = _state(rank, out["step"])
-    return torch.equal(out[f"w{rank}"], want[f"w{rank}"]) and torch.equal(out["shared"], want["shared"])
+    return (torch.equal(out[f"w{rank}"], want[f"w{rank}"])
+            and torch.equal(out["shared"], want["shared"]))
 
 
 def _save(rank: int, world: int, run: str, opts: dict, memory: str, steps: int) -> tuple:
     tiers = ct.Tiers(memory=memory, persist_every=2)  # the node: this host's name
     with ct.Session() as s:
         for step in range(1, steps + 1):
-            handle = s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers)
+            handle = s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts,
+                            tiers=tiers)
             handle.wait()
     return socket.gethostname(), tiers.node_name, handle.replicated.result().bytes_sent
 
@@ -71,7 +73,8 @@ def _save(rank: int, world: int, run: str, opts: dict, memory: str, steps: int) 
 def _recover(rank: int, world: int, run: str, opts: dict, memory: str) -> tuple:
     out = _empty(rank)
     with ct.Session() as s:
-        recovered = s.load(out, run, storage_options=opts, tiers=ct.Tiers(memory=memory), strict=False)
+        recovered = s.load(out, run, storage_options=opts, tiers=ct.Tiers(memory=memory),
+                           strict=False)
     return recovered, _exact(rank, out)
 
 
@@ -79,7 +82,8 @@ def _received(hosts: netns.VirtualHosts) -> list[int]:
     return [hosts.bytes_received(h) for h in hosts.hosts]
 
 
-def test_nodes_on_their_own_hosts_replicate_and_recover_over_the_network(hosts, store, tmp_path, bounded):
+def test_nodes_on_their_own_hosts_replicate_and_recover_over_the_network(hosts, store, tmp_path,
+                                                                         bounded):
     """Two hosts of two ranks: each save's replicas cross the hosts' links; host 1, lost
     with its memory and restarted, gets its chunks back from host 0 over its link, 0 bytes
     from the store; with every host's memory lost, the newest durable checkpoint loads."""
@@ -88,7 +92,8 @@ def test_nodes_on_their_own_hosts_replicate_and_recover_over_the_network(hosts, 
     before = _received(hosts)
     saved = run_distributed(_save, 4, run, opts, memory, 3, setup=ranks, timeout=240)
     crossed = sum(_received(hosts)) - sum(before)
-    assert [(name, node) for name, node, _ in saved] == [(h.name, h.name) for h in hosts.hosts for _ in (0, 1)]
+    assert ([(name, node) for name, node, _ in saved]
+            == [(h.name, h.name) for h in hosts.hosts for _ in (0, 1)])
     replica_bytes = saved[0][2]  # the last save's copies, job-wide
     assert replica_bytes > 2 * 200_000 * 4  # both hosts' own shards, at least
     assert crossed > 3 * replica_bytes  # three saves' replicas (and a persist) went over the links
@@ -106,10 +111,12 @@ def test_nodes_on_their_own_hosts_replicate_and_recover_over_the_network(hosts, 
 
     shutil.rmtree(memory)  # every host's memory is lost: the newest durable checkpoint loads
     results = run_distributed(_recover, 4, run, opts, memory, setup=ranks, timeout=240)
-    assert all(exact and r.url == f"{run}/step-2" and r.bytes_from_durable > 0 for r, exact in results)
+    assert all(exact and r.url == f"{run}/step-2" and r.bytes_from_durable > 0
+               for r, exact in results)
 
 
-def _save_across_a_cut(rank: int, world: int, run: str, opts: dict, memory: str, marks: str) -> list:
+def _save_across_a_cut(rank: int, world: int, run: str, opts: dict, memory: str,
+                       marks: str) -> list:
     """Step 1 saved and replicated; then step 2, across the test's cut of host 1's link:
     each rank reports what the save (or its replication) raised and how long after the
     cut could have come."""
@@ -139,8 +146,8 @@ def _save_across_a_cut(rank: int, world: int, run: str, opts: dict, memory: str,
 
 
 @pytest.mark.parametrize("when", ["between saves", "during replication"])
-def test_a_cut_link_fails_the_save_in_bounded_time_and_no_checkpoint_is_damaged(hosts, store, tmp_path,
-                                                                                bounded, when):
+def test_a_cut_link_fails_the_save_in_bounded_time_and_no_checkpoint_is_damaged(
+        hosts, store, tmp_path, bounded, when):
     """Host 1's link goes down (packets dropped, no connection reset: a failed switch
     port), either between two saves or while the second one's replicas cross a slow link:
     within a bound set by the group's timeout, every rank's save (between saves) or its
@@ -171,8 +178,8 @@ def test_a_cut_link_fails_the_save_in_bounded_time_and_no_checkpoint_is_damaged(
     cutter = threading.Thread(target=cut, daemon=True)
     cutter.start()
     try:
-        outcomes = run_distributed(_save_across_a_cut, 4, run, opts, memory, str(marks), setup=hosts.ranks(2),
-                                   timeout=120, group_timeout=GROUP_TIMEOUT)
+        outcomes = run_distributed(_save_across_a_cut, 4, run, opts, memory, str(marks),
+                                   setup=hosts.ranks(2), timeout=120, group_timeout=GROUP_TIMEOUT)
     finally:
         cutter.join(timeout=5)
         hosts.heal(host1)
@@ -182,7 +189,8 @@ def test_a_cut_link_fails_the_save_in_bounded_time_and_no_checkpoint_is_damaged(
         assert error == "CommunicationError" and seconds < 3 * GROUP_TIMEOUT, outcomes
     newest = "step-1" if when == "between saves" else "step-2"
     for node in ("host0", "host1"):
-        names = [c.name for c in ct.list_checkpoints(ct.Tiers(memory=memory, node=node).memory_run(run))]
+        on_node = ct.Tiers(memory=memory, node=node).memory_run(run)
+        names = [c.name for c in ct.list_checkpoints(on_node)]
         assert names[-1] == newest and "step-1" in names, (node, names)
     assert ct.list_checkpoints(run, storage_options=opts) == []  # nothing was persisted
 
@@ -201,7 +209,8 @@ def _recover_or_fail(rank: int, world: int, run: str, opts: dict, memory: str) -
     return [outcome, time.monotonic() - started]
 
 
-def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(hosts, store, tmp_path, bounded):
+def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(
+        hosts, store, tmp_path, bounded):
     """Host 1 lost its memory and recovers from host 0 over a slow link that goes down
     mid-transfer: every rank's load raises CommunicationError within a bound set by the
     group's timeout, host 0's tier is untouched, and once the link is back the recovery
@@ -222,23 +231,26 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(ho
     cutter = threading.Thread(target=cut_mid_transfer, daemon=True)
     cutter.start()
     try:
-        outcomes = run_distributed(_recover_or_fail, 4, run, opts, memory, setup=hosts.ranks(2), timeout=120,
-                                   group_timeout=GROUP_TIMEOUT)
+        outcomes = run_distributed(_recover_or_fail, 4, run, opts, memory, setup=hosts.ranks(2),
+                                   timeout=120, group_timeout=GROUP_TIMEOUT)
     finally:
         cutter.join(timeout=65)
         hosts.heal(host1)
         hosts.limit(host1, None)
     for error, seconds in outcomes:
         assert error == "CommunicationError" and seconds < 4 * GROUP_TIMEOUT, outcomes
-    assert [c.name for c in ct.list_checkpoints(ct.Tiers(memory=memory, node="host0").memory_run(run))] == ["step-1"]
+    host0_run = ct.Tiers(memory=memory, node="host0").memory_run(run)
+    assert [c.name for c in ct.list_checkpoints(host0_run)] == ["step-1"]
 
     results = run_distributed(_recover, 4, run, opts, memory, setup=hosts.ranks(2), timeout=240)
     for rank, (recovered, exact) in enumerate(results):
-        assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0
+        assert exact and recovered.url == f"{run}/step-1" and recovered.bytes_from_durable == 0, (
+            rank, recovered)
 
 
 def _tier_bytes(memory: str) -> int:
-    return sum(f.stat().st_size for f in (Path(memory) / socket.gethostname()).rglob("*") if f.is_file())
+    return sum(f.stat().st_size for f in (Path(memory) / socket.gethostname()).rglob("*")
+               if f.is_file())
 
 
 def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str,
@@ -248,13 +260,15 @@ def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, m
     peak = 0
     with ct.Session() as s:
         for step in range(1, saves + 1):
-            s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts, tiers=tiers).local.result()
+            s.save(_state(rank, step), f"{run}/step-{step}", storage_options=opts,
+                   tiers=tiers).local.result()
             peak = max(peak, _tier_bytes(memory))
     # the session closed: every replication done, and what had to stay for them evicted
     return [peak, [c.name for c in ct.list_checkpoints(tiers.memory_run(run))]]
 
 
-def test_saves_faster_than_the_network_keep_the_memory_tier_near_its_budget(hosts, store, tmp_path, bounded):
+def test_saves_faster_than_the_network_keep_the_memory_tier_near_its_budget(hosts, store, tmp_path,
+                                                                            bounded):
     """Replication over a 4 Mbit/s link takes seconds and each pins its checkpoint in
     memory, so saves issued back to back would queue replicas without bound; over the
     budget, a save waits for the oldest replication in flight, so the tier never holds
@@ -265,8 +279,8 @@ def test_saves_faster_than_the_network_keep_the_memory_tier_near_its_budget(host
     host1 = hosts.hosts[1]
     hosts.limit(host1, 4)
     try:
-        results = run_distributed(_save_faster_than_replication, 2, run, opts, memory, checkpoint, 10,
-                                  setup=hosts.ranks(1), timeout=240)
+        results = run_distributed(_save_faster_than_replication, 2, run, opts, memory, checkpoint,
+                                  10, setup=hosts.ranks(1), timeout=240)
     finally:
         hosts.limit(host1, None)
     for peak, kept in results:

@@ -63,13 +63,15 @@ def test_bad_transport_and_verify_settings_are_refused_up_front(tmp_path):
         ct.TurboReader(str(tmp_path), transport="tcp")
     with pytest.raises(ValueError, match="verify"):
         ct.TurboReader(str(tmp_path), verify="sometimes")
-    assert [verify_mode(v) for v in (True, "storage", "all", False)] == ["storage", "storage", "all", "off"]
+    modes = [verify_mode(v) for v in (True, "storage", "all", False)]
+    assert modes == ["storage", "storage", "all", "off"]
 
 
 def _load(rank: int, world: int, url: str, transport: str, verify: object) -> dict:
     group = dist.group.WORLD
     sd = state(zeros=True)
-    reader = ct.TurboReader(url, broadcast=True, transport=transport, verify=verify, piece_size=16 << 10)
+    reader = ct.TurboReader(url, broadcast=True, transport=transport, verify=verify,
+                            piece_size=16 << 10)
     dcp.load(sd, storage_reader=reader)
     chosen = reader.transport_used
     return {
@@ -78,7 +80,8 @@ def _load(rank: int, world: int, url: str, transport: str, verify: object) -> di
         "device": str(chosen.device),
         "job_group": chosen.group is None or chosen.group is group,
         "chosen_backend": str(dist.get_backend(chosen.group)),
-        "chosen_ranks": dist.get_process_group_ranks(chosen.group if chosen.group is not None else group),
+        "chosen_ranks": dist.get_process_group_ranks(
+            chosen.group if chosen.group is not None else group),
         "from_storage": reader.bytes_from_storage,
         "verified": reader.chunks_verified,
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def assert_same_model_and_optimizer(model_a: dict, model_b: dict, optim_a: dict, optim_b: dict) -> None:
+def assert_same_model_and_optimizer(model_a: dict, model_b: dict, optim_a: dict,
+                                    optim_b: dict) -> None:
     """Equal model state dicts and optimizer state dicts (per-parameter state and groups)."""
     assert model_a.keys() == model_b.keys()
     for k in model_a:

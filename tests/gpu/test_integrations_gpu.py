@@ -1,4 +1,5 @@
-"""Lightning's CUDA-only sharded strategy with ckptturbo: TurboFSDPStrategy(state_dict_type="sharded").
+"""Lightning's CUDA-only sharded strategy with ckptturbo:
+TurboFSDPStrategy(state_dict_type="sharded").
 
 Lightning's FSDPStrategy needs CUDA, so this lives here; the CPU suite covers
 TurboModelParallelStrategy (FSDP2) in tests/test_integration_lightning.py.
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _run(tmp_path: Path, *argv: str) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--cuda"], cwd=tmp_path, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--cuda"], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 

@@ -50,7 +50,8 @@ def test_cuda_targets_that_need_staging_cast_and_stride_on_the_device(tmp_path):
     ct.load(sd, url)
     expected = state()
     assert torch.equal(sd["w"].cpu(), expected["w"].to(torch.bfloat16))
-    assert torch.equal(sd["zero"].cpu(), expected["zero"]) and torch.equal(sd["b"].cpu(), expected["b"])
+    assert torch.equal(sd["zero"].cpu(), expected["zero"])
+    assert torch.equal(sd["b"].cpu(), expected["b"])
 
 
 def _grouped_cuda_load(rank: int, world: int, url: str, device_index: int,
@@ -64,7 +65,8 @@ def _grouped_cuda_load(rank: int, world: int, url: str, device_index: int,
     expected = state()
     equal = all(torch.equal(sd[k].cpu(), v) for k, v in expected.items())
     return {"equal": equal and not sd["b"].is_cuda, "from_storage": reader.bytes_from_storage,
-            "kind": chosen.kind if chosen else None, "device": str(chosen.device) if chosen else None,
+            "kind": chosen.kind if chosen else None,
+            "device": str(chosen.device) if chosen else None,
             "job_group": chosen is None or chosen.group is None}
 
 
@@ -107,7 +109,8 @@ def _stream_rank(rank: int, world: int, path: str) -> bool:
     torch.cuda.set_device(rank)
     expected = state()
     got = dict(ct.stream_safetensors(path, device="cuda", process_group=dist.group.WORLD))
-    return got.keys() == expected.keys() and all(torch.equal(got[k].cpu(), v) for k, v in expected.items())
+    return got.keys() == expected.keys() and all(torch.equal(got[k].cpu(), v)
+                                                 for k, v in expected.items())
 
 
 @pytest.mark.skipif(GPUS < 2, reason="NCCL needs a GPU per rank")

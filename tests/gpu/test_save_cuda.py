@@ -24,7 +24,8 @@ def test_ct_save_from_cuda_stages_through_pinned_pool(tmp_path):
     for v in sd.values():
         v.fill_(0)  # after staged, device memory may be reused
     handle.wait(timeout=120)
-    writer = next(w for w in ct.default_session()._kept.values() if w.url.startswith(str(tmp_path)))
+    writers = ct.default_session()._kept.values()
+    writer = next(w for w in writers if w.url.startswith(str(tmp_path)))
     assert writer._pool.pin and writer._pool.arena.is_pinned()
     out = {k: torch.empty_like(v) for k, v in expected.items()}
     ct.load(out, str(tmp_path / "run" / "a"))

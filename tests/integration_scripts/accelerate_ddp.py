@@ -62,8 +62,10 @@ def train(accelerator, model, opt, sched, loader, counter, steps: int) -> None:
 
 
 def snapshot(accelerator, model, opt, sched, counter) -> dict:
-    return {"model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
-            "optim": copy.deepcopy(opt.optimizer.state_dict()), "sched": sched.state_dict(), "counter": counter.n,
+    weights = accelerator.unwrap_model(model).state_dict()
+    return {"model": {k: v.clone() for k, v in weights.items()},
+            "optim": copy.deepcopy(opt.optimizer.state_dict()), "sched": sched.state_dict(),
+            "counter": counter.n,
             "step": accelerator.step, "torch_rng": torch.get_rng_state(), "py_rng": random.random(),
             "np_rng": float(np.random.rand())}
 
@@ -94,7 +96,8 @@ def main() -> None:
     if args.single:
         rng_before = torch.get_rng_state()
         load_state(fresh[0], args.single)
-        observed["single"] = {"model": snapshot(*fresh[:4], fresh[5])["model"], "step": fresh[0].step,
+        observed["single"] = {"model": snapshot(*fresh[:4], fresh[5])["model"],
+                              "step": fresh[0].step,
                               "rng_kept": torch.equal(rng_before, torch.get_rng_state())}
     torch.save(observed, f"{args.out}.rank{accelerator.process_index}.pt")
     accelerator.end_training()

@@ -23,7 +23,8 @@ class Tiny(pl.LightningModule):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                                       torch.nn.Linear(width, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -54,7 +55,8 @@ def main() -> None:
     pl.seed_everything(1, workers=True)
     model = Tiny()
     opts = json.loads(args.storage_options) if args.storage_options else None
-    ckpt = ModelCheckpoint(dirpath=args.dirpath, save_top_k=args.top_k, monitor="epoch_metric", mode="max")
+    ckpt = ModelCheckpoint(dirpath=args.dirpath, save_top_k=args.top_k, monitor="epoch_metric",
+                           mode="max")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
                          plugins=[TurboCheckpointIO(opts)], callbacks=[ckpt], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, deterministic=True)

@@ -23,7 +23,8 @@ class M(pl.LightningModule):
     def __init__(self, shard_in_configure: bool) -> None:
         super().__init__()
         self.shard_in_configure = shard_in_configure
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
 
     def configure_model(self):
         if not self.shard_in_configure:
@@ -61,8 +62,9 @@ def main() -> None:
     else:
         strategy = TurboModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                               turbo_tiers=tiers)
-    trainer = pl.Trainer(accelerator="cuda" if args.cuda else "cpu", devices=devices, strategy=strategy,
-                         max_epochs=args.epochs, callbacks=[ModelCheckpoint(dirpath=args.dirpath, save_top_k=-1)],
+    trainer = pl.Trainer(accelerator="cuda" if args.cuda else "cpu", devices=devices,
+                         strategy=strategy, max_epochs=args.epochs,
+                         callbacks=[ModelCheckpoint(dirpath=args.dirpath, save_top_k=-1)],
                          logger=False, enable_progress_bar=False)
     trainer.fit(M(shard_in_configure=args.strategy == "model_parallel"), data, ckpt_path=args.ckpt)
     sd = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True,

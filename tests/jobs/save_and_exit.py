@@ -18,7 +18,8 @@ import ckptturbo as ct
 
 def state_of(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(4 << 20, generator=g), "b": torch.randn(1000, generator=g), "step": seed}
+    return {"w": torch.randn(4 << 20, generator=g), "b": torch.randn(1000, generator=g),
+            "step": seed}
 
 
 def main() -> None:

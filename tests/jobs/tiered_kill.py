@@ -21,7 +21,8 @@ from test_tiers import tiered_state  # noqa: E402
 def main() -> None:
     run, memory, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     tiers = ct.Tiers(memory=memory, persist_every=0, node="n0")
-    ct.save(tiered_state(1), f"{run}/step-1", storage_options=options, tiers=tiers, persist=True).wait()
+    ct.save(tiered_state(1), f"{run}/step-1", storage_options=options, tiers=tiers,
+            persist=True).wait()
     handle = ct.save(tiered_state(2), f"{run}/step-2", storage_options=options, tiers=tiers)
     handle.local.result()
     print("local", flush=True)
