@@ -120,9 +120,6 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             handle.durable.set_result(None)
         manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
         _after(session, run_url, handle, "replicated")
-        def evict_again() -> None:  # see _evict_finished
-            _evict_finished(session, run_url, tiers, ranks, handle)
-
         held = None  # which nodes hold which chunks once replicated: where a persist reads
         try:
             replicated, held = _replicate(url, memory, manifest, tiers.replicas,
@@ -131,7 +128,7 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         except Exception as exc:  # noqa: BLE001 - the checkpoint stands in its node's memory
             failure = as_ckptturbo_error(exc, url, "replicating")
         if not handle.persisted:
-            evict_again()
+            _evict_finished(session, run_url, tiers, ranks, handle)
         if failure is None:
             handle.replicated.set_result(replicated)
         else:
@@ -141,7 +138,7 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             summary = _persist(session, url, memory, manifest,
                                Nodes(persist_group, tiers.node_name), storage_options, local,
                                started, held)
-            evict_again()
+            _evict_finished(session, run_url, tiers, ranks, handle)
             handle.durable.set_result(summary)
 
     run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
