@@ -11,6 +11,7 @@ from .agreement import gather
 from .failures import ckptturbo_errors
 from .paths import OWN_STORE, RUN_STORE
 from .tree import SKELETON_KEY, flatten
+from .urls import parent_url
 
 __all__ = [
     "OWN_STORE",  # store="checkpoint": a checkpoint that holds its own chunks
@@ -19,4 +20,5 @@ __all__ = [
     "ckptturbo_errors",  # a block whose failures leave as ckptturbo errors naming a URL
     "flatten",  # a nested state as flat keys ct.save takes, restorable exactly
     "gather",  # every rank's value on every rank, failures agreed (one outcome)
+    "parent_url",  # the run (chunk store) a checkpoint URL belongs to: its parent
 ]

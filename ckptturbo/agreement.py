@@ -7,7 +7,8 @@ exchanging their outcome: every rank gets every result, or every rank raises.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 

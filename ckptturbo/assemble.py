@@ -26,8 +26,8 @@ import dataclasses
 import io
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -70,7 +70,7 @@ class Job:
                     if src.is_pinned():
                         copier.upload(src, dst)
                     else:
-                        copier.to_device(memoryview(src.numpy()), dst, 0)
+                        copier.to_device(src.numpy().data, dst, 0)
                 else:
                     dst.copy_(src)
             self.missing -= 1

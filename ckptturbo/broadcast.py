@@ -70,8 +70,18 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .broadcast_schedule import (LOCAL, NONE, Part, Transfer, needs_communication, npieces,
-                                 own_parts, plan_digest, validate, validate_parts)
+from .broadcast_schedule import (
+    LOCAL,
+    NONE,
+    Part,
+    Transfer,
+    needs_communication,
+    npieces,
+    own_parts,
+    plan_digest,
+    validate,
+    validate_parts,
+)
 from .errors import CommunicationError, IntegrityError, PlanError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +91,8 @@ Source = Callable[["Part"], Iterator[torch.Tensor]]
 Sink = Callable[["Part", torch.Tensor], None]
 """Receives a complete transfer; it owns the buffer from then on (see the module docstring)."""
 Buffers = Callable[["Part"], "torch.Tensor | None"]
-"""Where a receiving rank assembles a transfer (its destination), or None for a buffer of our own."""
+"""Where a receiving rank assembles a transfer (its destination), or None for a buffer of our
+own."""
 
 _TAG_MASK = (1 << 31) - 1  # gloo tags are 32-bit; tags only add a check, order is what matches
 
@@ -150,6 +161,7 @@ class _Filler:
         bring more); once all bytes are in, make sure the source has nothing left."""
         t = self.transfer
         while self.filled < upto:
+            assert self.pieces is not None  # dropped only once all bytes are in (upto <= nbytes)
             piece = next(self.pieces, None)
             if piece is None:
                 raise IntegrityError(f"transfer {t.tid}: source ended after {self.filled} "
@@ -219,7 +231,8 @@ class ChainBroadcaster:
         validate(transfers, world)
         parts = own_parts(transfers, rank, self.piece_size, self.max_inflight)
         chained = any(needs_communication(t) for t in transfers)
-        self.run_parts(parts, source, sink, buffers, plan_id=plan_digest(transfers) if chained else None)
+        self.run_parts(parts, source, sink, buffers,
+                       plan_id=plan_digest(transfers) if chained else None)
 
     def run_parts(self, parts: Sequence[Part], source: Source, sink: Sink,
                   buffers: Buffers | None = None, *, plan_id: int | None) -> None:
@@ -250,7 +263,8 @@ class ChainBroadcaster:
     def _rank_and_world(self) -> tuple[int, int]:
         if not dist.is_initialized():
             if self.group is not None:
-                raise RuntimeError("a process group was given but torch.distributed is not initialized")
+                raise RuntimeError(
+                    "a process group was given but torch.distributed is not initialized")
             return 0, 1
         rank = dist.get_rank(self.group)
         if rank < 0:
@@ -329,6 +343,7 @@ class ChainBroadcaster:
         for role in [r for r in active if r.last_step < step]:
             active.remove(role)
             buffer, role.buffer, role.filler = role.buffer, None, None
+            assert buffer is not None  # its pieces were sent or received from it (see piece)
             sink(role.transfer, buffer)
 
     def _post(self, ops: list[_Op]) -> list[dist.Work]:
@@ -362,7 +377,8 @@ class ChainBroadcaster:
         try:
             done = work.wait(timeout=datetime.timedelta(seconds=max(remaining, 1e-3)))
         except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses, or IO errors
-            raise CommunicationError(f"{what}: failed or timed out ({self.timeout:g} s): {exc}") from exc
+            raise CommunicationError(
+                f"{what}: failed or timed out ({self.timeout:g} s): {exc}") from exc
         if done is False:
             raise CommunicationError(f"{what}: timed out after {self.timeout:g} s")
 

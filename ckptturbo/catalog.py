@@ -49,8 +49,9 @@ import os
 import posixpath
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .chunk_store import ChunkStore
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
@@ -83,12 +84,13 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
     """
     store = run.store
     path = run.pending_path(save_id, rank)
-    runtime_of(store).keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
+    runtime_of(run).keep_heartbeat(path, Heartbeat(store, path, pending_lease(), rank=rank))
     deadline = time.monotonic() + wait
     while _fresh(store, run.gc_lock, time.time()):
         if time.monotonic() > deadline:
             end_save(run, save_id, [rank])
-            raise SaveInProgress(f"a gc of {store.url_of(run.chunks_root)} held its lock for {wait}s")
+            raise SaveInProgress(f"a gc of {store.url_of(run.chunks_root)} held its lock "
+                                 f"for {wait}s")
         log.debug("save %s (rank %d) waits for the gc lock %s", save_id, rank,
                   store.url_of(run.gc_lock))  # tests wait for this line, not for a sleep
         time.sleep(LOCK_POLL)
@@ -102,7 +104,7 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
     """This rank's uploads are done: renew its marker once more and stop the heartbeat.
     The marker now holds for one lease, in which the coordinator commits and removes it."""
-    for beat in runtime_of(run.store).take_heartbeats([run.pending_path(save_id, rank)]):
+    for beat in runtime_of(run).take_heartbeats([run.pending_path(save_id, rank)]):
         beat.stop(final_beat=True)
 
 
@@ -110,7 +112,7 @@ def end_save(run: RunStore, save_id: str, ranks: list[int] | range) -> None:
     """Remove the pending markers of these ranks of a save (absent ones are fine); a
     failure is only logged: it must not fail a committed save."""
     paths = [run.pending_path(save_id, rank) for rank in ranks]
-    for beat in runtime_of(run.store).take_heartbeats(paths):
+    for beat in runtime_of(run).take_heartbeats(paths):
         beat.stop()  # first: a late heartbeat must not bring a marker back
     try:  # in parallel; every delete is attempted before the first failure is reported
         run.store.delete(paths)
@@ -152,7 +154,8 @@ def committed(run_url: str, storage_options: dict[str, Any] | None, session: Run
     session = resolve(session)
     store = session.open_store(run_url, storage_options)
     left_out = {CONTROL_DIR, *skip}
-    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root)) if n not in left_out]
+    names = [n for n in (posixpath.basename(p) for p in store.list_dirs(store.root))
+             if n not in left_out]
 
     def read(name: str) -> tuple[str, Manifest | FormatError] | None:
         url = f"{run_url.rstrip('/')}/{name}"
@@ -197,10 +200,12 @@ def list_checkpoints(run_url: str, storage_options: dict[str, Any] | None = None
             log.warning("checkpoint %s is unreadable: %s", url, m)
             bad.append(CheckpointInfo(name, url, 0.0, 0, 0, 0, error=str(m)))
             continue
-        found.append(CheckpointInfo(name, url, m.created, m.total_bytes, m.unique_bytes, len(m.items)))
+        found.append(CheckpointInfo(name, url, m.created, m.total_bytes, m.unique_bytes,
+                                    len(m.items)))
     found.sort(key=lambda c: (c.created, c.name))
     listed = {url_key(c.url) for c in found}
-    found += [CheckpointInfo(posixpath.basename(u.rstrip("/")), u, time.time(), 0, 0, 0, pending=True)
+    found += [CheckpointInfo(posixpath.basename(u.rstrip("/")), u, time.time(), 0, 0, 0,
+                             pending=True)
               for u in pending if url_key(u) not in listed]
     return sorted(bad, key=lambda c: c.name) + found if include_unreadable else found
 
@@ -266,7 +271,7 @@ class GcReport:
     kept_recent: int
     dry_run: bool
 
-    def __add__(self, other: "GcReport") -> "GcReport":
+    def __add__(self, other: GcReport) -> GcReport:
         """Two stores' reports as one (a run's store and its checkpoints' own)."""
         return GcReport(self.referenced + other.referenced, self.deleted + other.deleted,
                         self.deleted_bytes + other.deleted_bytes,
@@ -305,8 +310,9 @@ def collect_garbage(run_url: str, storage_options: dict[str, Any] | None = None,
         if shared:
             report = _sweep(run, referenced, dry_run, grace_seconds)
     for url in own:
-        report = report + collect_checkpoint(Location(url, storage_options, OWN_STORE, session=session),
-                                             dry_run=dry_run, grace_seconds=grace_seconds)
+        own_store = Location(url, storage_options, OWN_STORE, session=session)
+        report = report + collect_checkpoint(own_store, dry_run=dry_run,
+                                             grace_seconds=grace_seconds)
     return report
 
 
@@ -358,8 +364,9 @@ def _gc_lock(run: RunStore, dry_run: bool) -> Iterator[None]:
             now = time.time()
             live = [p.path for p in store.list_files(run.pending_dir) if _fresh(store, p.path, now)]
             if live:
-                raise SaveInProgress(f"{len(live)} save(s) in progress under {store.url_of(run.root)}; "
-                                     "run gc again when they are committed")
+                raise SaveInProgress(f"{len(live)} save(s) in progress under "
+                                     f"{store.url_of(run.root)}; run gc again when they are "
+                                     "committed")
             store.put(run.gc_generation, uuid.uuid4().hex.encode())
             yield
         finally:

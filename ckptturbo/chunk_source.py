@@ -63,7 +63,7 @@ class ChunkSource:
         target = into.get(cid)
         if target is None or target.is_cuda:
             return self.fetch(cid)
-        return self.fetch(cid, memoryview(target.numpy()))
+        return self.fetch(cid, target.numpy().data)
 
     def check(self, cid: str, data: memoryview) -> None:
         """Raise IntegrityError naming the chunk and its tensors unless ``data`` is chunk

@@ -17,8 +17,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from . import __version__
 from .catalog import CheckpointInfo, collect_garbage, delete_checkpoint, list_checkpoints
@@ -30,6 +31,7 @@ from .runs import Location
 from .runtime import default_runtime
 from .tiered_catalog import list_tiered
 from .tiers import Tiers
+from .urls import parent_url
 
 log = logging.getLogger("ckptturbo.cli")
 
@@ -87,7 +89,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: se
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for row in cells:
         print("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
 
 
 def progress(total: int, desc: str) -> Any:
@@ -130,7 +132,8 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None) -> Manifest:
                                      "lists its checkpoints") from exc
         if kind == "dcp":
             raise FormatError(f"{url} is a plain DCP checkpoint (torch.distributed.checkpoint's "
-                              ".metadata), not a ckptturbo one: read it with dcp.FileSystemReader") from exc
+                              ".metadata), not a ckptturbo one: read it with "
+                              "dcp.FileSystemReader") from exc
         raise
 
 
@@ -189,8 +192,8 @@ def _ls_tiers(args: argparse.Namespace) -> int:
         print(json.dumps([ls_record(c, tiers=list(c.tiers)) for c in found], indent=2))
         return EXIT_OK
     if not found:
-        print(f"no committed checkpoints under {run} nor in its memory tier {tiers.memory_run(run)}",
-              file=sys.stderr)
+        print(f"no committed checkpoints under {run} nor in its memory tier "
+              f"{tiers.memory_run(run)}", file=sys.stderr)
         return EXIT_OK
     print_table(["NAME", "CREATED", "SIZE", "STORED", "ITEMS", "TIERS"],
                 [[c.name, iso_time(c.created), human(c.total_bytes), human(c.unique_bytes),
@@ -206,7 +209,7 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
     for fqn, item in sorted(manifest.items.items()):
         nbytes = sum(s.nbytes for s in item.shards)
         if item.kind == "tensor":
-            tensors.append({"name": fqn, "dtype": item.dtype_name, "shape": list(item.size),
+            tensors.append({"name": fqn, "dtype": item.dtype_name, "shape": list(item.size or ()),
                             "bytes": nbytes, "shards": len(item.shards),
                             "chunks": len(item_chunks(item))})
         else:
@@ -226,12 +229,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
-    print(f"checkpoint {info['url']}  created {info['created_iso']}  world size {info['world_size']}")
+    print(f"checkpoint {info['url']}  created {info['created_iso']}  "
+          f"world size {info['world_size']}")
     if info["tensors"]:
         print(f"\ntensors ({len(info['tensors'])}):")
         print_table(["NAME", "DTYPE", "SHAPE", "BYTES", "SHARDS", "CHUNKS"],
-                    [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", human(t["bytes"]),
-                      t["shards"], t["chunks"]] for t in info["tensors"]], right={3, 4, 5})
+                    [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()",
+                      human(t["bytes"]), t["shards"], t["chunks"]] for t in info["tensors"]],
+                    right={3, 4, 5})
     if info["objects"]:
         print(f"\nobjects ({len(info['objects'])}):")
         print_table(["NAME", "BYTES"], [[o["name"], human(o["bytes"])] for o in info["objects"]],
@@ -285,7 +290,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """Chunks are shared between checkpoints, so space is freed by a run-wide sweep, not by rm."""
     run, options = args.run, args.storage_options
     if args.tier == "memory":  # this node's memory tier of the run: a run of its own
-        run, options = Tiers(memory=args.memory, node=args.node).memory_run(args.run.rstrip("/")), None
+        tiers = Tiers(memory=args.memory, node=args.node)
+        run, options = tiers.memory_run(args.run.rstrip("/")), None
     report = collect_garbage(run, options, dry_run=args.dry_run, grace_seconds=args.grace)
     verb = "would delete" if report.dry_run else "deleted"
     print(f"gc {run}: {report.referenced} chunks referenced by committed checkpoints; "
@@ -302,7 +308,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if delete_checkpoint(args.ckpt, args.storage_options):
         print(f"deleted {args.ckpt} and its chunks")
         return EXIT_OK
-    run = args.ckpt.rstrip("/").rsplit("/", 1)[0]
+    run = parent_url(args.ckpt)
     print(f"deleted {args.ckpt}; run `ckptturbo gc {run}` to free chunks no other checkpoint uses")
     return EXIT_OK
 
@@ -323,7 +329,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         if args.max_shard_size is not None:
             log.warning("--max-shard-size applies to --format safetensors only; ignored")
-        items = export_dcp(args.ckpt, args.dest, args.storage_options, allow_pickle=args.allow_pickle)
+        items = export_dcp(args.ckpt, args.dest, args.storage_options,
+                           allow_pickle=args.allow_pickle)
         print(f"exported {items} items of {args.ckpt} to {args.dest.removeprefix('file://')} "
               "as a DCP checkpoint")
     return EXIT_OK
@@ -356,8 +363,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result["saved_to"] = str(save_profile(result["endpoint"], result))
     print(f"calibrated {result['object']} ({human(result['sample_bytes'])} read per setting)")
     print_table(["STREAMS", "CHUNK", "GB/S"],
-                [[r["streams"], human(r["chunk_size"]), f"{r['gbps']:.3f}"] for r in result["results"]],
-                right={0, 1, 2})
+                [[r["streams"], human(r["chunk_size"]), f"{r['gbps']:.3f}"]
+                 for r in result["results"]], right={0, 1, 2})
     print(f"best for {result['endpoint']}: streams={result['streams']} "
           f"chunk_size={human(result['chunk_size'])} ({result['gbps']:.3f} GB/s)")
     if "saved_to" in result:
@@ -371,7 +378,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -393,7 +401,8 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
                         metavar="JSON", help="fsspec options as a JSON object, e.g. "
                         '\'{"client_kwargs": {"endpoint_url": "http://host:8333"}}\'; '
                         "S3 credentials are also read from the usual AWS_* variables")
-    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS if suppress else 0,
+    parser.add_argument("-v", "--verbose", action="count",
+                        default=argparse.SUPPRESS if suppress else 0,
                         help="log progress (-v) or everything (-vv)")
     return parser
 
@@ -405,14 +414,31 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
                    "else the host name)")
 
 
+def _export_options(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckptturbo export``."""
+    p.add_argument("ckpt", help="the checkpoint URL")
+    p.add_argument("dest", help="a .safetensors file, or a directory (a local path for dcp; "
+                   "any fsspec URL for safetensors)")
+    p.add_argument("--format", choices=["dcp", "safetensors"],
+                   help="what to write (default: safetensors for a dest named *.safetensors; "
+                   "required otherwise)")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
+                   help="safetensors: split into files of at most SIZE (e.g. 5GB), HF style")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="dcp: also export non-tensor objects (unpickles them; trusted "
+                   "checkpoints only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptturbo", parents=[_common(False)],
-                                     description="Inspect, verify, clean up and export ckptturbo checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="ckptturbo", parents=[_common(False)],
+        description="Inspect, verify, clean up and export ckptturbo checkpoints.")
     parser.add_argument("--version", action="version", version=f"ckptturbo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = [_common(True)]
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+    def add(name: str, fn: Callable[[argparse.Namespace], int],
+            help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=common, help=help_, description=help_)
         p.set_defaults(func=fn)
         return p
@@ -421,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="the run URL (the parent of the checkpoints)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--tiers", action="store_true",
-                   help="also list this node's memory tier of the run, and say which tiers hold each")
+                   help="also list this node's memory tier of the run, and say which tiers "
+                   "hold each")
     _memory_options(p)
 
     p = add("inspect", cmd_inspect, "show the tensors, objects and storage use of a checkpoint")
@@ -433,27 +460,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("gc", cmd_gc, "delete chunks that no committed checkpoint of the run uses")
     p.add_argument("run", help="the run URL (the parent of the checkpoints)")
-    p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="report what would be deleted, delete nothing")
     p.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
                    help="keep unreferenced chunks younger than this (default 0)")
     p.add_argument("--tier", choices=["durable", "memory"], default="durable",
-                   help="collect the run's durable store (default) or this node's memory tier of it")
+                   help="collect the run's durable store (default) or this node's memory "
+                   "tier of it")
     _memory_options(p)
 
     p = add("rm", cmd_rm, "delete a checkpoint (its manifest); gc frees its chunks")
     p.add_argument("ckpt", help="the checkpoint URL")
 
-    p = add("export", cmd_export, "write a plain DCP or safetensors copy of a checkpoint")
-    p.add_argument("ckpt", help="the checkpoint URL")
-    p.add_argument("dest", help="a .safetensors file, or a directory (a local path for dcp; "
-                   "any fsspec URL for safetensors)")
-    p.add_argument("--format", choices=["dcp", "safetensors"],
-                   help="what to write (default: safetensors for a dest named *.safetensors; "
-                   "required otherwise)")
-    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
-                   help="safetensors: split into files of at most SIZE (e.g. 5GB), HF style")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="dcp: also export non-tensor objects (unpickles them; trusted checkpoints only)")
+    _export_options(add("export", cmd_export,
+                        "write a plain DCP or safetensors copy of a checkpoint"))
 
     p = add("bench", cmd_bench, "measure the fastest streaming settings for a store")
     p.add_argument("--calibrate", required=True, metavar="URL",

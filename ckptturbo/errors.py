@@ -6,7 +6,7 @@ while the subclasses keep the cause machine-readable. Messages always name the o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class CkptTurboError(Exception):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from . import catalog
 from .errors import CkptTurboError, FormatError
@@ -40,7 +40,8 @@ def held_bytes(checkpoints: Iterable[Held]) -> int:
     return sum(sizes.values())
 
 
-def plan_eviction(checkpoints: list[Held], budget: int, keep: frozenset[str] = frozenset()) -> list[str]:
+def plan_eviction(checkpoints: list[Held], budget: int,
+                  keep: frozenset[str] = frozenset()) -> list[str]:
     """The checkpoints to evict, oldest first, until what the others name fits ``budget``.
 
     The newest checkpoint and those in ``keep`` (a persist in flight reads them) stay even

@@ -9,8 +9,9 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,12 +35,13 @@ def load_plain(url: str, storage_options: dict[str, Any] | None, manifest: Manif
     sd: dict[str, Any] = {}
     for name in names:
         item = manifest.items[name]
-        sd[name] = torch.empty(item.size, dtype=item.dtype) if item.kind == "tensor" else None
+        sd[name] = torch.empty(item.size or (), dtype=item.dtype) if item.kind == "tensor" else None
     ct_load(sd, url, storage_options=storage_options, strict=False, allow_pickle=allow_pickle)
     return sd
 
 
-def shard_groups(manifest: Manifest, names: Sequence[str], max_bytes: int | None) -> list[list[str]]:
+def shard_groups(manifest: Manifest, names: Sequence[str],
+                 max_bytes: int | None) -> list[list[str]]:
     """Tensors in name order, cut into groups of at most max_bytes (a bigger tensor alone)."""
     if max_bytes is None:
         return [list(names)] if names else []
@@ -110,7 +112,7 @@ def export_safetensors(ckpt: str, dest_url: str, storage_options: dict[str, Any]
              [f"{stem}-{i + 1:05d}-of-{len(groups):05d}{SAFETENSORS_SUFFIX}"
               for i in range(len(groups))])
     weight_map = {}
-    for file, names in zip(files, groups):
+    for file, names in zip(files, groups, strict=True):
         sd = load_plain(ckpt, storage_options, manifest, names)
         try:
             data = st_save(sd, metadata=metadata)

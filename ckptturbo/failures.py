@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -37,8 +38,8 @@ def as_ckptturbo_error(exc: BaseException, url: str, action: str) -> BaseExcepti
             return candidate
     for candidate, origin in found:
         if isinstance(candidate, dist.DistError) or origin == _C10D_FILE:
-            error = CommunicationError(f"a peer rank failed or disconnected while {action} "
-                                       f"{url}: {candidate}")
+            error: CkptTurboError = CommunicationError(
+                f"a peer rank failed or disconnected while {action} {url}: {candidate}")
             error.__cause__ = candidate
             return error
     if not isinstance(exc, (Exception, CheckpointException)):
@@ -90,7 +91,8 @@ def _related(exc: BaseException) -> Iterator[tuple[BaseException, str | None]]:
             for _, wrapped in sorted(current.failures.items()):
                 inner, summary = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
                 nested.append((inner, summary[-1].filename if summary else _origin(inner)))
-        nested += [(e, _origin(e)) for e in (current.__cause__, current.__context__) if e is not None]
+        nested += [(e, _origin(e)) for e in (current.__cause__, current.__context__)
+                   if e is not None]
         stack.extend(reversed(nested))
 
 

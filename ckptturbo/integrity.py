@@ -15,7 +15,6 @@ from .manifest_records import ItemRecord
 from .runs import Location
 
 
-
 def item_chunks(item: ItemRecord) -> set[str]:
     """The chunks holding bytes of one item (tensor or object), over all its shards."""
     return {p.chunk for s in item.shards for p in s.pieces}

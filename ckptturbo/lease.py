@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
+from .chunk_store import ChunkStore
 from .errors import CkptTurboError, FormatError
 from .paths import CONTROL_VERSION
-from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Heartbeat:
     once it is older than its lease a gc may treat its writer as dead.
     """
 
-    def __init__(self, store: Store, path: str, lease: float, **fields: Any) -> None:
+    def __init__(self, store: ChunkStore, path: str, lease: float, **fields: Any) -> None:
         self.store, self.path, self.lease, self.fields = store, path, lease, fields
         self._stop = threading.Event()
         self._beat(raise_=True)

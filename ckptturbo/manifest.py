@@ -30,7 +30,8 @@ class _ShardIndex(Mapping):
         self._items = items
 
     def __getitem__(self, index: Any) -> ShardRecord:
-        item = self._items.get(getattr(index, "fqn", None))
+        fqn = getattr(index, "fqn", None)
+        item = self._items.get(fqn) if isinstance(fqn, str) else None
         shard = item.shard_at(index.offset) if item is not None else None
         if shard is None:
             raise KeyError(index)
@@ -75,7 +76,7 @@ class Manifest:
                       chunk_store=self.chunk_store, dcp_version=self.dcp_version)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "Manifest":
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
         """The manifest ``data`` holds, of any readable version, every field checked."""
         return cls(**decode(data, where))
 
@@ -84,7 +85,12 @@ class Manifest:
         """DCP's Metadata; its ``storage_data`` looks shards up in the items when asked."""
         import torch
         from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata)
+            BytesStorageMetadata,
+            Metadata,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
 
         sd_meta: dict[str, Any] = {}
         props: dict[tuple[Any, bool], TensorProperties] = {}  # shared: DCP only reads them
@@ -92,10 +98,12 @@ class Manifest:
             if item.kind == "bytes":
                 sd_meta[fqn] = BytesStorageMetadata()
                 continue
-            key = (item.dtype, item.requires_grad)
+            dtype, size = item.dtype, item.size
+            assert dtype is not None and size is not None, "a tensor record has dtype and size"
+            key = (dtype, item.requires_grad)
             if key not in props:
-                props[key] = TensorProperties(dtype=key[0], requires_grad=key[1])
-            sd_meta[fqn] = TensorStorageMetadata(props[key], torch.Size(item.size),
+                props[key] = TensorProperties(dtype=dtype, requires_grad=item.requires_grad)
+            sd_meta[fqn] = TensorStorageMetadata(props[key], torch.Size(size),
                                                  item.chunk_metas())
         meta = StorageMeta(checkpoint_id=self.storage_meta.get("checkpoint_id"),
                            save_id=self.storage_meta.get("save_id"))
@@ -135,16 +143,17 @@ def build_manifest(metadata: Metadata, parts: dict[MetadataIndex, list[ShardPart
     written = reused = 0
     for fqn, md in metadata.state_dict_metadata.items():
         is_bytes = isinstance(md, BytesStorageMetadata)
-        boxes = [((), ())] if is_bytes else [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        boxes = ([((), ())] if isinstance(md, BytesStorageMetadata)
+                 else [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
         shards = []
         for offsets, sizes in boxes:
             index = MetadataIndex(fqn) if is_bytes else MetadataIndex(fqn, offsets)
             shard, w, r = _merge(parts.get(index, []), fqn, offsets, sizes, chunks)
             shards.append(shard)
             written, reused = written + w, reused + r
-        items[fqn] = ItemRecord("bytes", shards) if is_bytes else ItemRecord(
-            "tensor", shards, md.properties.dtype, tuple(md.size),
-            bool(md.properties.requires_grad))
+        items[fqn] = ItemRecord("bytes", shards) if isinstance(md, BytesStorageMetadata) else (
+            ItemRecord("tensor", shards, md.properties.dtype, tuple(md.size),
+                       bool(md.properties.requires_grad)))
     return Manifest(
         items=items, chunks=chunks, planner_data=metadata.planner_data,
         storage_meta={"checkpoint_id": url, "save_id": save_id},

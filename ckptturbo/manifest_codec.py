@@ -71,7 +71,8 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     store = _typed(doc, "chunk_store", str, RUN_STORE, where)
     created = _typed(doc, "created", (int, float), 0, where)
     planner_data = paths if with_paths else _planner_data_from_json(doc.get("planner_data"))
-    return dict(items=items, chunks=dict(zip(ids, sizes.tolist())), planner_data=planner_data,
+    chunks = dict(zip(ids, sizes.tolist(), strict=True))  # one size per id (_chunk_table)
+    return dict(items=items, chunks=chunks, planner_data=planner_data,
                 storage_meta=_typed(doc, "storage_meta", dict, {}, where),
                 created=float(created), stats=_typed(doc, "stats", dict, {}, where),
                 chunk_store=store, dcp_version=_typed(doc, "dcp_version", str, None, where))

@@ -50,11 +50,11 @@ class StoredPiece(NamedTuple):
     offset: int
 
 
-def dtype_name(dtype: "torch.dtype | str") -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any) -> "torch.dtype":
+def parse_dtype(name: Any) -> torch.dtype:
     """The torch.dtype a manifest names (this imports torch)."""
     import torch
 
@@ -77,7 +77,7 @@ class DtypeName(str):
     itemsize: int
 
     @classmethod
-    def parse(cls, name: Any) -> "DtypeName":
+    def parse(cls, name: Any) -> DtypeName:
         if not isinstance(name, str):
             raise FormatError(f"unknown dtype {name!r} in manifest")
         itemsize = DTYPE_ITEMSIZES.get(name)
@@ -127,8 +127,9 @@ class Boxes:
 
     def check_fits(self, size: tuple[int, ...], where: str) -> None:
         """Every box lies inside a tensor of ``size``."""
-        for offsets, sizes in zip(self.offsets, self.sizes):
-            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+        # the boxes were cut from ``flat`` in steps of twice ``ndim`` = len(size)
+        for offsets, sizes in zip(self.offsets, self.sizes, strict=True):
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
                 raise FormatError(f"{where!r}: shard {offsets}+{sizes} exceeds size {size}")
 
     def nbytes(self, itemsize: int) -> list[int]:
@@ -148,7 +149,7 @@ class Boxes:
             from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
             self._chunk_metas = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                                 for o, s in zip(self.offsets, self.sizes)]
+                                 for o, s in zip(self.offsets, self.sizes, strict=True)]
         return self._chunk_metas
 
 
@@ -181,7 +182,7 @@ class ItemRecord:
 
     @classmethod
     def stored(cls, kind: str, dtype: Any, size: tuple[int, ...] | None, requires_grad: bool,
-                boxes: Boxes, pieces: list[int], ids: list[str]) -> "ItemRecord":
+                boxes: Boxes, pieces: list[int], ids: list[str]) -> ItemRecord:
         """A record as a version 3 manifest holds it (checked by the caller)."""
         item = cls(kind, None, dtype, size, requires_grad)
         item._boxes, item._pieces, item._ids = boxes, pieces, ids
@@ -201,7 +202,7 @@ class ItemRecord:
     @property
     def shards(self) -> list[ShardRecord]:
         if self._shards is None:
-            self._shards = [self._shard(j) for j in range(len(self._boxes.offsets))]
+            self._shards = [self._shard(j) for j in range(len(self._stored_boxes().offsets))]
         return self._shards
 
     def shard_at(self, offsets: Sequence[int] | None) -> ShardRecord | None:
@@ -210,16 +211,22 @@ class ItemRecord:
         if (self.kind == "bytes") != (offsets is None):
             return None
         if self._shards is None:
-            j = self._boxes.position(offsets or ())
+            j = self._stored_boxes().position(offsets or ())
             return None if j is None else self._shard(j)
         if self._position is None:
             self._position = {tuple(s.offsets): j for j, s in enumerate(self._shards)}
         j = self._position.get(tuple(offsets or ()))
         return None if j is None else self._shards[j]
 
+    def _stored_boxes(self) -> Boxes:
+        """The boxes of a record without built shards: only ``stored`` makes one."""
+        assert self._boxes is not None, "a record without shards is made by ItemRecord.stored"
+        return self._boxes
+
     def _shard(self, j: int) -> ShardRecord:
         """Shard ``j`` of a stored record; a piece starts where the one before it ended."""
-        raw, ids, count = self._pieces, self._ids, len(self._boxes.offsets)
+        boxes = self._stored_boxes()
+        raw, ids, count = self._pieces, self._ids, len(boxes.offsets)
         if self._first is None:
             self._first = list(accumulate(raw[:count], initial=0))
         at = count + 3 * self._first[j]
@@ -227,18 +234,18 @@ class ItemRecord:
         for i in range(at, at + 3 * raw[j], 3):
             out.append(StoredPiece(pos, raw[i], ids[raw[i + 1]], raw[i + 2]))
             pos += raw[i]
-        return ShardRecord(self._boxes.offsets[j], self._boxes.sizes[j], pos, out)
+        return ShardRecord(boxes.offsets[j], boxes.sizes[j], pos, out)
 
     def offsets(self) -> list[tuple[int, ...]]:
         """The offsets of the shards, without building them."""
         if self._shards is None:
-            return self._boxes.offsets
+            return self._stored_boxes().offsets
         return [tuple(s.offsets) for s in self._shards]
 
     def chunk_metas(self) -> list[Any]:
         """DCP's ChunkStorageMetadata of each shard."""
         if self._shards is None:
-            return list(self._boxes.chunk_metas())
+            return list(self._stored_boxes().chunk_metas())
         import torch
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -259,6 +266,7 @@ class ItemRecord:
             boxes += s.sizes
         if self.kind == "bytes":
             return ["bytes", counts + triples]
+        assert self.size is not None, "a tensor record is made with its size"
         return ["tensor", self.dtype_name, list(self.size), bool(self.requires_grad), boxes,
                 counts + triples]
 

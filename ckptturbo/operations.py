@@ -10,7 +10,8 @@ in flight too, and with ``tiers=`` cover this node's memory tier (``tiered_catal
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -101,7 +102,8 @@ def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
                      no_dist=not dist.is_initialized())
 
     if tiers is None:
-        attempt(_reader(session, url, storage_options, process_group=process_group, **reader_options))
+        attempt(_reader(session, url, storage_options, process_group=process_group,
+                        **reader_options))
         return None
     group = session.gloo_group(process_group, "tiers") if dist.is_initialized() else None
     return _recover(session, url, tiers, storage_options, group, attempt, reader_options)[1]
@@ -245,7 +247,8 @@ def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, stri
     cast on load, as DCP does)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    plain = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
+    plain = {k: (v.state_dict()
+                 if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
              for k, v in state_dict.items()}
     flat, _ = flatten_state_dict(plain)
     problems = []
@@ -272,5 +275,6 @@ def check_fits(state_dict: dict[str, Any], items: dict[str, Any], url: str, stri
 
 def _mismatch(subject: str, url: str, problems: list[str]) -> MismatchError:
     """One error naming every problem (the first ten, and how many more)."""
-    shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+    more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+    shown = "; ".join(problems[:10]) + more
     return MismatchError(f"{subject} not fit checkpoint {url}: {shown}")

@@ -21,8 +21,9 @@ its BLAKE3 name before it is written into the receiving node's tier.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ class Nodes:
         if self.group is None:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, source), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, source),
+                                   group=self.group)
         return box[0]
 
 
@@ -199,7 +201,8 @@ def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.
     received = 0
     for batch in rounds(copies):
         problem: Exception | None = None
-        work, incoming = [], []
+        work = []
+        incoming: list[tuple[Copy, torch.Tensor]] = []
         for i, copy in enumerate(batch):
             if copy.source == nodes.rank and copy.nbytes:
                 try:
@@ -218,12 +221,14 @@ def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.
                 incoming.append((copy, buffer))
         try:
             for w in work:
+                assert w is not None, "isend/irecv give a Work to a rank of their group"
                 w.wait()
-        except RuntimeError as exc:  # how a gloo Work reports a peer gone or silent past the timeout
-            raise CommunicationError(f"copying the chunks of {what}: a peer node stopped sending or "
-                                     f"receiving: {exc}") from exc
+        except RuntimeError as exc:  # how a gloo Work reports a peer gone or silent past timeout
+            raise CommunicationError(f"copying the chunks of {what}: a peer node stopped sending "
+                                     f"or receiving: {exc}") from exc
 
-        def settle() -> None:
+        def settle(problem: Exception | None = problem,
+                   incoming: list[tuple[Copy, torch.Tensor]] = incoming) -> None:
             _raise(problem)
             for copy, buffer in incoming:
                 _keep(copy, buffer, nodes, write)
@@ -251,8 +256,9 @@ def _raise(problem: Exception | None) -> None:
         raise problem
 
 
-def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, memoryview], None]) -> None:
-    view = memoryview(buffer.numpy())
+def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes,
+          write: Callable[[str, memoryview], None]) -> None:
+    view = buffer.numpy().data  # the received bytes, as a memoryview
     if chunk_id(view) != copy.cid:
         raise IntegrityError(f"chunk {copy.cid} received from node {nodes.nodes[copy.source]!r} "
                              f"(rank {copy.source}) does not hash to its name: damaged in transit "
@@ -260,7 +266,8 @@ def _keep(copy: Copy, buffer: torch.Tensor, nodes: Nodes, write: Callable[[str, 
     write(copy.cid, view)
 
 
-def holdings(nodes: Nodes, held_here: Callable[[], set[str]], ids: list[str]) -> dict[str, set[str]]:
+def holdings(nodes: Nodes, held_here: Callable[[], set[str]],
+             ids: list[str]) -> dict[str, set[str]]:
     """Which of ``ids`` each node's memory tier holds: node leaders report theirs (a bitmap
     over ``ids``), every rank gets every node's."""
     mine = held_bits(held_here(), ids) if nodes.node_leader else None
@@ -278,5 +285,5 @@ def held_by_node(nodes: Nodes, bits: list[bytes | None], ids: list[str]) -> dict
     for rank, mine in enumerate(bits):
         if mine is not None:
             flags = np.unpackbits(np.frombuffer(mine, dtype=np.uint8), count=len(ids)).astype(bool)
-            out[nodes.nodes[rank]] = {c for c, f in zip(ids, flags) if f}
+            out[nodes.nodes[rank]] = {c for c, f in zip(ids, flags, strict=True) if f}
     return out

@@ -9,8 +9,9 @@ uploaded: a copy damaged at rest in host memory must never become the durable on
 
 The work is split by node: each chunk is uploaded by one of the nodes whose memory tier
 holds it (peer replicas make several; ``peers.spread`` picks one, balancing bytes), one
-process per node does the node's share, and the coordinator, after every node is done, checks that the
-durable store holds every chunk the manifest names before it writes the manifest.
+process per node does the node's share, and the coordinator, after every node is done,
+checks that the durable store holds every chunk the manifest names before it writes the
+manifest.
 """
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -27,9 +26,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
+from .broadcast_schedule import Part, Transfer, needs_communication, schedule
 from .checkpoint_id import servable
 from .chunk_source import ChunkSource
-from .broadcast_schedule import Part, Transfer, needs_communication, schedule
 from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
 from .manifest import Manifest
@@ -168,7 +167,8 @@ class TurboReader(StorageReader):
     def chunks(self) -> ChunkSource:
         """This checkpoint's verified chunk reads (and their counts), since the last reset."""
         if self._source is None:
-            self._source = ChunkSource(self.location, self.read_manifest(), self.url, self.verify_mode)
+            self._source = ChunkSource(self.location, self.read_manifest(), self.url,
+                                       self.verify_mode)
         return self._source
 
     @property
@@ -208,8 +208,10 @@ class TurboReader(StorageReader):
 
     @property
     def location(self) -> Location:
-        if self._location is None:
-            self.read_manifest()
+        manifest = self.read_manifest()
+        if self._location is None:  # unpickled: the manifest travels, the location does not
+            self._location = Location.for_manifest(self.url, self.storage_options, manifest,
+                                                   session=self.runtime)
         return self._location
 
     def read_metadata(self) -> Metadata:
@@ -246,8 +248,8 @@ class TurboReader(StorageReader):
         """Who reads each chunk from storage and the chain that forwards it, scheduled once
         here; each rank gets back only its own parts (and not the items it sent)."""
         if not self._broadcasting() or len(plans) < 2:
-            return [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, LocalReads)
-                    else p for p in plans]
+            return [dataclasses.replace(p, storage_data=None)
+                    if isinstance(p.storage_data, LocalReads) else p for p in plans]
         ids = list(self._chunk_sizes)
         sizes = np.fromiter(self._chunk_sizes.values(), dtype=np.int64, count=len(ids))
         ordinal = self._chunk_ordinals()
@@ -263,7 +265,8 @@ class TurboReader(StorageReader):
             elif grouped is not None and grouped.digest in of_group:
                 per_rank.append(of_group[grouped.digest])
             else:  # a plan that did not pass through prepare_local_plan
-                per_rank.append(np.array([ordinal[c] for c in self._chunks_of(plan.items)], np.int32))
+                per_rank.append(np.array([ordinal[c] for c in self._chunks_of(plan.items)],
+                                         np.int32))
         counts = np.fromiter((len(n) for n in per_rank), dtype=np.int64, count=len(per_rank))
         chunk = np.concatenate(per_rank) if per_rank else np.empty(0, np.int32)
         rank = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
@@ -273,7 +276,7 @@ class TurboReader(StorageReader):
         firsts = np.concatenate(([0], bounds)) if len(chunk) else bounds
         needers = np.split(rank, bounds) if len(chunk) else []
         needs = [ReadNeed(ids[c], int(sizes[c]), tuple(r.tolist()))
-                 for c, r in zip(chunk[firsts].tolist(), needers)]
+                 for c, r in zip(chunk[firsts].tolist(), needers, strict=True)]
         assignments = plan_reads(needs, len(plans))
         transfers = [Transfer(ordinal[a.chunk], a.nbytes, a.chain) for a in assignments]
         settings = ChainSettings(self.piece_size)
@@ -281,11 +284,13 @@ class TurboReader(StorageReader):
         chained = any(needs_communication(t) for t in transfers)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
         out = []
-        for plan, mine in zip(plans, rows):
-            as_sent = isinstance(plan.storage_data, LocalReads) and plan.items is plan.storage_data.items
+        for plan, mine in zip(plans, rows, strict=True):  # schedule gives one row per rank
+            as_sent = (isinstance(plan.storage_data, LocalReads)
+                       and plan.items is plan.storage_data.items)
             wire = np.ascontiguousarray(mine[:, [0, 2, 3, 4]], dtype=np.int32).tobytes()
             chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent, wire)
-            out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items, storage_data=chains))
+            out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items,
+                                           storage_data=chains))
         return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
@@ -324,7 +329,7 @@ class TurboReader(StorageReader):
         return self._ordinal
 
     def _chunks_of(self, items: list[ReadItem]) -> list[str]:
-        return chunks_touched(_spans(((i, self._shard(i)) for i in items)))
+        return chunks_touched(_spans((i, self._shard(i)) for i in items))
 
     def _finisher(self, planner: LoadPlanner, copier: DeviceCopier) -> Any:
         return lambda job: finish_job(job, planner, self.allow_pickle, self.url, copier)
@@ -346,13 +351,13 @@ class TurboReader(StorageReader):
             if cid not in to_device:
                 return chunks.fetch_into(cid, into)
             landing = copier.landing(read.size)
-            chunks.fetch(cid, memoryview(landing.numpy()))
+            chunks.fetch(cid, landing.numpy().data)
             return landing
 
         prefetcher = Prefetcher(reads, fetch, location.chunk_store.submit,
                                 MemoryBudget(self.read_ahead_bytes),
                                 streams=location.chunk_store.max_workers, lookahead=1)
-        by_id = dict(zip(cids, reads))
+        by_id = dict(zip(cids, reads, strict=True))
         prefetcher.start()
         try:
             arrived = ((cid, _host_tensor(prefetcher.wait(r))) for cid, r in by_id.items())
@@ -366,7 +371,8 @@ class TurboReader(StorageReader):
         """This rank's parts of the read plan, as the read-once engine takes them."""
         ids = list(self._chunk_sizes)
         rows = np.frombuffer(chains.parts, dtype=np.int32).reshape(-1, 4).tolist()
-        parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt) for tid, step, prev, nxt in rows]
+        parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt)
+                 for tid, step, prev, nxt in rows]
         return RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
 
     def _load_chained(self, jobs: list[Job], chains: ReadChains, planner: LoadPlanner) -> None:

@@ -40,9 +40,9 @@ chain: a head that cannot read or verify its unit forwards zeros, and a receiver
 ``check`` on every all-zero unit it gets (a scan, far cheaper than a hash), so a failed
 head's zeros fail it and name the unit while a genuine all-zero unit passes; with
 ``check_all`` receivers check every unit (a defence against bytes damaged between
-ranks). A receiver whose copy fails keeps forwarding; neither is delivered. Once the pass is over, ``done`` gets the
-first failure (the broadcaster's own, such as a dead peer, first), so no rank is left
-waiting on a peer that gave up.
+ranks). A receiver whose copy fails keeps forwarding; neither is delivered. Once the pass
+is over, ``done`` gets the first failure (the broadcaster's own, such as a dead peer,
+first), so no rank is left waiting on a peer that gave up.
 """
 from __future__ import annotations
 
@@ -57,8 +57,14 @@ import torch
 import torch.distributed as dist
 
 from .broadcast import ChainBroadcaster
-from .broadcast_schedule import (Part, Transfer, needs_communication, own_parts, plan_digest,
-                                 source_order_of)
+from .broadcast_schedule import (
+    Part,
+    Transfer,
+    needs_communication,
+    own_parts,
+    plan_digest,
+    source_order_of,
+)
 from .errors import CkptTurboError
 from .plan import ChainAssignment
 from .prefetch import MemoryBudget, Prefetcher, Read
@@ -93,7 +99,7 @@ class RankBatch:
 
     @classmethod
     def of(cls, batch: Sequence[ChainAssignment], rank: int, first_tid: int,
-           settings: ChainSettings) -> "RankBatch":
+           settings: ChainSettings) -> RankBatch:
         """This rank's share of a batch every rank has whole (tids from ``first_tid``)."""
         transfers = [Transfer(first_tid + i, a.nbytes, a.chain) for i, a in enumerate(batch)]
         parts = own_parts(transfers, rank, settings.piece_size, settings.max_inflight)
@@ -139,7 +145,8 @@ class ReadOnce:
         self._into = into
         self.device = settings.device
         self.broadcaster = ChainBroadcaster(group, piece_size=settings.piece_size,
-                                            max_inflight=settings.max_inflight, timeout=settings.timeout,
+                                            max_inflight=settings.max_inflight,
+                                            timeout=settings.timeout,
                                             device=settings.device)
         self._copier = DeviceCopier()
         self._given = list(batches)
@@ -157,7 +164,8 @@ class ReadOnce:
                 heads.append(Read(tid, b + 1, self._keys[tid], 0, sizes[tid]))
             self._batches.append(batch)
         self._heads = {r.index: r for r in heads}
-        self.prefetcher = Prefetcher(heads, self._fetch_read, submit, budget, streams=streams, lookahead=1)
+        self.prefetcher = Prefetcher(heads, self._fetch_read, submit, budget, streams=streams,
+                                     lookahead=1)
         self._failed: set[int] = set()
         self.failures: list[BaseException] = []
         self._closed = False
@@ -186,7 +194,7 @@ class ReadOnce:
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
         self.prefetcher.start()
         try:
-            for b, (given, batch) in enumerate(zip(self._given, self._batches)):
+            for b, (given, batch) in enumerate(zip(self._given, self._batches, strict=True)):
                 if self._closed or (self._reserve is not None and not self._reserve(given)):
                     break
                 self.prefetcher.at_file(b + 1)
@@ -229,9 +237,10 @@ class ReadOnce:
         if t.tid in self._failed:
             return
         key = self._keys[t.tid]
-        if self._must_check(t, buffer):
+        check = self._check
+        if check is not None and self._must_check(t, buffer):
             try:
-                self._check(key, memoryview(buffer.cpu().numpy()).cast("B"))
+                check(key, buffer.cpu().numpy().data.cast("B"))
             except CkptTurboError as exc:
                 self.failures.append(exc)
                 return

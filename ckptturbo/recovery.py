@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -32,7 +33,13 @@ import torch.distributed as dist
 from . import catalog
 from .agreement import agree, gather
 from .chunk_source import ChunkSource
-from .errors import CheckpointNotFound, ChunksUnavailable, CkptTurboError, FormatError, names_preview
+from .errors import (
+    CheckpointNotFound,
+    ChunksUnavailable,
+    CkptTurboError,
+    FormatError,
+    names_preview,
+)
 from .failures import as_ckptturbo_error
 from .manifest import Manifest
 from .paths import MANIFEST_NAME
@@ -72,21 +79,20 @@ class TieredChunkSource(ChunkSource):
     the durable run's store; verified alike. ``bytes_from_durable`` counts the latter."""
 
     def __init__(self, location: Location, manifest: Manifest, url: str, verify: str,
-                 memory: Location | None, durable: Location) -> None:
+                 memory: Location, durable: Location) -> None:
         super().__init__(location, manifest, url, verify)
         self.memory = memory
         self.durable = durable
         # the memory tier is a local directory: a stat per chunk of this checkpoint costs
         # less than listing every chunk the tier holds for the whole run
-        self.in_memory = ({c for c in manifest.chunks if os.path.exists(memory.chunk_path(c))}
-                          if memory is not None else set())
+        self.in_memory = {c for c in manifest.chunks if os.path.exists(memory.chunk_path(c))}
         self._in_durable: set[str] | None = None
         self.bytes_from_durable = 0
         self.bytes_from_peers = 0
         self._received: dict[str, memoryview] = {}
 
     def holder(self, cid: str) -> Location:
-        return self.memory if cid in self.in_memory and self.memory is not None else self.durable
+        return self.memory if cid in self.in_memory else self.durable
 
     def fill_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
         """Copy into this node's memory tier the chunks its ranks need (this rank's:
@@ -105,7 +111,7 @@ class TieredChunkSource(ChunkSource):
             return
         held = held_by_node(nodes, [b for _, b in everyone], ids)
         copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held)
-        run = self.memory.run if self.memory is not None else None
+        run = self.memory.run
 
         def keep(cid: str, data: memoryview) -> None:
             run.store.put(run.chunk_path(cid), data)
@@ -114,7 +120,8 @@ class TieredChunkSource(ChunkSource):
                 self.chunks_verified += 1
 
         self.bytes_from_peers += exchange(
-            nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep, f"loading {self.url}")
+            nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep,
+            f"loading {self.url}")
         self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
 
     def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
@@ -141,7 +148,8 @@ class TieredChunkSource(ChunkSource):
         if missing:
             raise ChunksUnavailable(
                 f"checkpoint {self.url}: {len(missing)} chunks this rank needs are neither in "
-                f"this node's memory tier nor in {self.durable.run.store.url_of(self.durable.chunks_root)} "
+                "this node's memory tier nor in "
+                f"{self.durable.run.store.url_of(self.durable.chunks_root)} "
                 f"({names_preview(missing, 3)})")
 
     def _read_checked(self, cid: str, view: memoryview) -> None:
@@ -170,38 +178,44 @@ class TieredReader(TurboReader):
     def read_manifest(self) -> Manifest:
         """The manifest from this node's memory tier, else the durable one (``recover`` has
         already chosen: a rank whose memory lacks it adopted a peer's copy first)."""
-        if self._manifest is None:
-            wait_for_saves(self.url)
-            try:
-                self._use(Location(self.memory_url, session=self.runtime).read_manifest(), MEMORY)
-            except (CheckpointNotFound, FormatError) as exc:
-                if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
-                    log.warning("%s; reading the durable copy of %s instead", exc, self.url)
-                durable = Location(self.url, self.storage_options, session=self.runtime)
-                self._use(durable.read_manifest(), DURABLE)
-        return self._manifest
+        if self._manifest is not None:
+            return self._manifest
+        wait_for_saves(self.url)
+        try:
+            return self._use(Location(self.memory_url, session=self.runtime).read_manifest(),
+                             MEMORY)
+        except (CheckpointNotFound, FormatError) as exc:
+            if isinstance(exc, FormatError):  # damaged at rest: its checksum refused it
+                log.warning("%s; reading the durable copy of %s instead", exc, self.url)
+            durable = Location(self.url, self.storage_options, session=self.runtime)
+            return self._use(durable.read_manifest(), DURABLE)
 
-    def _use(self, manifest: Manifest, tier: str) -> None:
+    def _use(self, manifest: Manifest, tier: str) -> Manifest:
         self._manifest, self.manifest_tier = manifest, tier
         # the durable side of the checkpoint: where chunks memory lacks are read
         self._location = Location.for_manifest(self.url, self.storage_options, manifest,
                                                session=self.runtime)
+        return manifest
 
     @property
     def chunks(self) -> TieredChunkSource:
-        if self._source is None:
+        source = self._source
+        if not isinstance(source, TieredChunkSource):
             memory = Location(self.memory_url, session=self.runtime)
-            self._source = TieredChunkSource(self.location, self.read_manifest(), self.url,
-                                             self.verify_mode, memory, self.location)
-        return self._source  # type: ignore[return-value]
+            source = self._source = TieredChunkSource(self.location, self.read_manifest(),
+                                                      self.url, self.verify_mode, memory,
+                                                      self.location)
+        return source
 
     @property
     def bytes_from_durable(self) -> int:
-        return self._source.bytes_from_durable if self._source is not None else 0
+        source = self._source
+        return source.bytes_from_durable if isinstance(source, TieredChunkSource) else 0
 
     @property
     def bytes_from_peers(self) -> int:
-        return self._source.bytes_from_peers if self._source is not None else 0
+        source = self._source
+        return source.bytes_from_peers if isinstance(source, TieredChunkSource) else 0
 
     def memory_manifest_bytes(self) -> bytes | None:
         """The stored bytes of the manifest in this node's memory tier, to hand to ranks
@@ -211,7 +225,8 @@ class TieredReader(TurboReader):
         try:
             return memory.store.get(memory.manifest_path)
         except (CkptTurboError, OSError) as exc:
-            log.warning("cannot hand the manifest of %s to the ranks that lack it: %s", self.url, exc)
+            log.warning("cannot hand the manifest of %s to the ranks that lack it: %s",
+                        self.url, exc)
             return None
 
     def adopt_manifest(self, data: bytes) -> None:
@@ -290,9 +305,11 @@ def _read_manifests(reader: TieredReader, nodes: Nodes, in_memory: list[bool],
     shared = None
     if any(in_memory) and not all(in_memory):
         source = in_memory.index(True)
-        shared = nodes.share(reader.memory_manifest_bytes() if nodes.rank == source else None, source)
+        mine = reader.memory_manifest_bytes() if nodes.rank == source else None
+        shared = nodes.share(mine, source)
     adopt = shared if not in_memory[nodes.rank] else None
-    return agree(nodes.group, f"reading the manifest of {checkpoint}", lambda: _manifest_problem(reader, adopt))
+    return agree(nodes.group, f"reading the manifest of {checkpoint}",
+                 lambda: _manifest_problem(reader, adopt))
 
 
 def _manifest_problem(reader: TieredReader, shared: bytes | None) -> str | None:
@@ -349,7 +366,8 @@ def _candidates(session: Runtime, url: str, tiers: Tiers, storage_options: dict[
             except FormatError:
                 return _Found(run, {name: 0.0}, True, node, frozenset())
     run = url.rstrip("/")
-    found = {c.name: c.created for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)}
+    found = {c.name: c.created
+             for c in catalog.list_checkpoints(tiers.memory_run(run), session=session)}
     in_memory = frozenset(found)
     if lists_durable:
         found.update(_durable_checkpoints(session, run, storage_options, known=in_memory))

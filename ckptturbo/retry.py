@@ -35,9 +35,10 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar, overload
 
 from .errors import CheckpointNotFound, StorageAuthError, StorageError
 
@@ -73,9 +74,10 @@ class Failure(Enum):
 # S3 error codes, as botocore's retry handler and s3torchconnector sort them.
 _BUSY_CODES = frozenset({
     "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
-    "ThrottledException", "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
-    "RequestLimitExceeded", "BandwidthLimitExceeded", "ProvisionedThroughputExceededException",
-    "PriorRequestNotComplete", "TransactionInProgressException", "OperationAborted",
+    "ThrottledException", "RequestThrottled", "RequestThrottledException",
+    "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "ProvisionedThroughputExceededException", "PriorRequestNotComplete",
+    "TransactionInProgressException", "OperationAborted",
     # a body that arrived other than it was sent (its SHA-256 or CRC32 disagrees): send again
     "XAmzContentSHA256Mismatch", "BadDigest"})
 _NO_ANSWER_CODES = frozenset({"RequestTimeout", "RequestTimeoutException"})
@@ -160,7 +162,8 @@ def _store_answer(exc: BaseException) -> tuple[str, int | None] | None:
     if _package(exc) != "botocore" or not isinstance(response, dict):
         return None
     status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    return str((response.get("Error") or {}).get("Code") or ""), status if isinstance(status, int) else None
+    code = str((response.get("Error") or {}).get("Code") or "")
+    return code, status if isinstance(status, int) else None
 
 
 def _wraps(exc: BaseException) -> bool:
@@ -242,6 +245,12 @@ def _from_client_library(exc: BaseException) -> Failure | None:
     return None
 
 
+@overload
+def seconds_setting(name: str, given: float | None, default: float,
+                    error: type[Exception] = ...) -> float: ...
+@overload
+def seconds_setting(name: str, given: float | None, default: None,
+                    error: type[Exception] = ...) -> float | None: ...
 def seconds_setting(name: str, given: float | None, default: float | None,
                     error: type[Exception] = StorageError) -> float | None:
     """``given``, else the environment's CKPTTURBO_<name>, else ``default``; positive."""
@@ -283,9 +292,11 @@ class RetryPolicy:
         self.url_of = url_of
         self.retries = retries
         self.backoff = backoff
-        self.request_timeout = seconds_setting("REQUEST_TIMEOUT", request_timeout, DEFAULT_REQUEST_TIMEOUT)
+        self.request_timeout = seconds_setting("REQUEST_TIMEOUT", request_timeout,
+                                               DEFAULT_REQUEST_TIMEOUT)
         self.deadline = seconds_setting("DEADLINE", deadline, DEFAULT_DEADLINE)
-        self.outage_cooldown = seconds_setting("OUTAGE_COOLDOWN", outage_cooldown, DEFAULT_OUTAGE_COOLDOWN)
+        self.outage_cooldown = seconds_setting("OUTAGE_COOLDOWN", outage_cooldown,
+                                               DEFAULT_OUTAGE_COOLDOWN)
         self._last_success = time.monotonic()  # when a request last succeeded
         self._down_until = 0.0
         self._down_reason = ""
@@ -318,7 +329,8 @@ class RetryPolicy:
                 result = fn()
             except FileNotFoundError as exc:
                 self._last_success = time.monotonic()
-                raise CheckpointNotFound(f"{what}: {self.url_of(path)} does not exist ({exc})") from exc
+                raise CheckpointNotFound(
+                    f"{what}: {self.url_of(path)} does not exist ({exc})") from exc
             except (StorageError, CheckpointNotFound):
                 raise
             except Exception as exc:  # noqa: BLE001 - classified and re-raised as ours

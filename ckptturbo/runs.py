@@ -1,7 +1,8 @@
 """Runs and checkpoints in storage: a run's chunk store with its control paths
 (``RunStore``), and where one checkpoint's manifest and chunks are (``Location``), with the
 reading and writing of its manifest. The one module of the format that does I/O: it joins
-``paths``' names onto a ``Store`` and moves ``manifest_codec``'s bytes.
+``paths``' names onto a ``ChunkStore`` and moves ``manifest_codec``'s bytes. It opens no
+store itself: it asks the opener it is handed (a runtime), else the default runtime.
 """
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ import logging
 import posixpath
 from typing import Any
 
+from .chunk_store import ChunkStore, StoreOpener, default_opener
 from .errors import CheckpointExists, CheckpointNotFound, FormatError
 from .manifest import Manifest
-from .paths import (CHUNKS_DIR, CONTROL_DIR, GC_GENERATION, GC_LOCK, MANIFEST_NAME, OWN_STORE,
-                    PENDING_DIR, READS_OF_A_DAMAGED_OBJECT, RUN_STORE, chunk_relpath)
-from .store import IOPools, Store
+from .paths import (
+    CHUNKS_DIR,
+    CONTROL_DIR,
+    GC_GENERATION,
+    GC_LOCK,
+    MANIFEST_NAME,
+    OWN_STORE,
+    PENDING_DIR,
+    READS_OF_A_DAMAGED_OBJECT,
+    RUN_STORE,
+    chunk_relpath,
+)
 
 MAX_MANIFEST_BYTES = 1 << 30  # a larger manifest is refused unread
 log = logging.getLogger(__name__)
@@ -23,10 +34,13 @@ class RunStore:
     """A run's chunk store and its control files: the paths a save and a gc share.
 
     ``own``: the store of one self-contained checkpoint (``OWN_STORE``), which a delete
-    removes whole, control files included (``catalog``)."""
+    removes whole, control files included (``catalog``). ``owner``: what opened ``store``
+    (the runtime that keeps the run's chunk index and heartbeats)."""
 
-    def __init__(self, store: Store, root: str, *, own: bool = False) -> None:
+    def __init__(self, store: ChunkStore, root: str, *, owner: StoreOpener,
+                 own: bool = False) -> None:
         self.store = store
+        self.owner = owner
         self.root = root.rstrip("/") or "/"
         self.own = own
         self.control_dir = store.join(self.root, CONTROL_DIR)
@@ -37,10 +51,12 @@ class RunStore:
 
     @classmethod
     def for_run(cls, run_url: str, storage_options: dict[str, Any] | None = None, *,
-                session: IOPools | None = None) -> "RunStore":
-        """The chunk store of the run at ``run_url`` (the parent of its checkpoints)."""
-        store = Store(run_url, storage_options, session=session)
-        return cls(store, store.root)
+                session: StoreOpener | None = None) -> RunStore:
+        """The chunk store of the run at ``run_url`` (the parent of its checkpoints), opened
+        by ``session`` (default: the default runtime)."""
+        owner = session if session is not None else default_opener(run_url)
+        store = owner.open_store(run_url, storage_options)
+        return cls(store, store.root, owner=owner)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -63,13 +79,15 @@ class Location:
     """Where one checkpoint's manifest and its chunk store are.
 
     ``store_url``: None or ``RUN_STORE`` for the run's store (the checkpoint's parent),
-    ``OWN_STORE`` for a store inside the checkpoint's directory, else the store's URL."""
+    ``OWN_STORE`` for a store inside the checkpoint's directory, else the store's URL.
+    ``session`` opens its stores (default: the default runtime)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 store_url: str | None = None, *, session: IOPools | None = None) -> None:
+                 store_url: str | None = None, *, session: StoreOpener | None = None) -> None:
         self.url = str(url)
         self.storage_options = storage_options
-        self.store = Store(self.url, storage_options, session=session)
+        owner = session if session is not None else default_opener(self.url)
+        self.store = owner.open_store(self.url, storage_options)
         self.path = self.store.root
         parent = posixpath.dirname(self.path)
         if not parent or parent == self.path:
@@ -77,20 +95,20 @@ class Location:
                               "prefix to hold the chunk store, e.g. s3://bucket/run/step-100")
         self.manifest_path = self.store.join(self.path, MANIFEST_NAME)
         if store_url is None or store_url == RUN_STORE:
-            self.run = RunStore(self.store, parent)
+            self.run = RunStore(self.store, parent, owner=owner)
             self.chunk_store_ref = RUN_STORE
         elif store_url == OWN_STORE:
-            self.run = RunStore(self.store, self.path, own=True)
+            self.run = RunStore(self.store, self.path, owner=owner, own=True)
             self.chunk_store_ref = OWN_STORE
         else:
-            self.run = RunStore.for_run(store_url, storage_options, session=session)
+            self.run = RunStore.for_run(store_url, storage_options, session=owner)
             self.chunk_store_ref = str(store_url)
         self.chunk_store = self.run.store
         self.chunks_root = self.run.chunks_root
 
     @classmethod
     def for_manifest(cls, url: str, storage_options: dict[str, Any] | None,
-                     manifest: Manifest, *, session: IOPools | None = None) -> "Location":
+                     manifest: Manifest, *, session: StoreOpener | None = None) -> Location:
         """The location a committed manifest points at (its chunk store may be elsewhere)."""
         return cls(url, storage_options, manifest.chunk_store, session=session)
 

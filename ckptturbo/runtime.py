@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from . import store
 from .chunk_index import ChunkIndex
+from .chunk_store import use_default_opener
 from .errors import CkptTurboError
 from .retry import seconds_setting
 from .store import Store
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_KEPT = 8  # writers kept for reuse (pool, plan cache); the least recently used is closed
+MAX_STORES = 64  # stores kept open per runtime (a cache: opened again when dropped)
 MAX_CHUNK_INDEXES = 8  # runs whose chunk listing is remembered (a cache: relisted when dropped)
 EXIT_REPORT_EVERY = 10.0  # seconds between "still waiting" lines at exit
 
@@ -90,6 +91,7 @@ class Runtime:
         self._lock = threading.RLock()
         self._executors: dict[tuple, ThreadPoolExecutor] = {}
         self._groups: dict[tuple, Any] = {}
+        self._stores: collections.OrderedDict[tuple, Store] = collections.OrderedDict()
         self._kept: collections.OrderedDict[tuple, Closeable] = collections.OrderedDict()
         self._indexes: collections.OrderedDict[tuple, ChunkIndex] = collections.OrderedDict()
         self._beats: dict[str, Any] = {}
@@ -112,9 +114,25 @@ class Runtime:
 
     def open_store(self, url: Any, storage_options: dict[str, Any] | None = None,
                    **settings: Any) -> Store:
-        """The one way to open a store: its requests run on this runtime's pool of its
-        endpoint and options (``settings``: ``Store``'s retry, timeout and width settings)."""
-        return Store(str(url), storage_options, session=self, **settings)
+        """The one way to open a store (``chunk_store.StoreOpener``): one per URL, options
+        and ``settings`` (``Store``'s retry, timeout and width settings), kept while
+        recently used; its requests run on this runtime's pool of its endpoint."""
+        # the spelling too (a store's messages name its URL as given), and the location
+        # (a relative path names another directory once the working directory changes)
+        key = (str(url), url_key(url), repr(sorted((storage_options or {}).items())),
+               repr(sorted(settings.items())))
+        with self._lock:
+            found = self._stores.get(key)
+            if found is not None:
+                self._stores.move_to_end(key)
+                return found
+        opened = Store(str(url), storage_options, session=self, **settings)  # no lock: I/O
+        with self._lock:
+            found = self._stores.setdefault(key, opened)
+            self._stores.move_to_end(key)
+            while len(self._stores) > MAX_STORES:
+                self._stores.popitem(last=False)
+        return found
 
     def gloo_group(self, group: Any, purpose: str) -> Any:
         """A gloo group over the ranks of ``group`` (default: the world), one per purpose;
@@ -291,6 +309,7 @@ class Runtime:
             executors = list(self._executors.values())
             self._executors.clear()
             self._indexes.clear()
+            self._stores.clear()
         for flight in flights:
             if flight.thread is not threading.current_thread():
                 flight.thread.join(timeout)
@@ -300,18 +319,18 @@ class Runtime:
             pool.shutdown(wait=True)
 
 
-def runtime_of(store: Store) -> Runtime:
-    """The runtime that opened ``store`` (the owner of its threads and caches)."""
-    owner = store.session
+def runtime_of(run: RunStore) -> Runtime:
+    """The runtime that opened ``run``'s store (the owner of its threads and caches)."""
+    owner = run.owner
     if not isinstance(owner, Runtime):
-        raise CkptTurboError(f"the store of {store.url!r} has no runtime of ckptturbo's to keep "
-                             f"its caches (its owner is {owner!r})")
+        raise CkptTurboError(f"the store of {run.store.url!r} has no runtime of ckptturbo's to "
+                             f"keep its caches (it was opened by {owner!r})")
     return owner
 
 
 def index_for(run: RunStore) -> ChunkIndex:
     """The index of this run's chunk store kept by the runtime that writes to it."""
-    return runtime_of(run.store).chunk_index(run.key)
+    return runtime_of(run).chunk_index(run.key)
 
 
 # --- process-wide ------------------------------------------------------------------------
@@ -343,7 +362,7 @@ def resolve(runtime: Runtime | None) -> Runtime:
     return runtime if runtime is not None else default_runtime()
 
 
-store.use_default_owner(default_runtime)
+use_default_opener(default_runtime)
 
 
 def pending_saves(url: Any, *, under: bool = False) -> list[Any]:

@@ -72,7 +72,8 @@ class Assignment:
         cache hands the same assignment back."""
         return chunk_id(f"{self.save_id}|{url}".encode())[:32]
 
-    def writes(self, items: list[WriteItem]) -> list[tuple[WriteItem, list[tuple[int, int]] | None]]:
+    def writes(self, items: list[WriteItem]
+               ) -> list[tuple[WriteItem, list[tuple[int, int]] | None]]:
         """(item, ranges) for every item this rank writes, ranges None for a whole object."""
         out: dict[int, list[tuple[int, int]] | None] = {}
         for pos, start, end in np.frombuffer(self.rows, dtype=np.int64).reshape(-1, 3).tolist():
@@ -92,6 +93,7 @@ class Assignment:
 
 def item_nbytes(item: WriteItem) -> int:
     td = item.tensor_data
+    assert td is not None, "a tensor's WriteItem carries its tensor_data (BYTE_IO items have none)"
     n = 1
     for s in td.chunk.sizes:
         n *= s
@@ -100,13 +102,15 @@ def item_nbytes(item: WriteItem) -> int:
 
 def holdings(plan: SavePlan) -> Holdings:
     """This rank's holdings: its item list (by reference) and the bytes of each item."""
-    nbytes = [0 if item.type == WriteItemType.BYTE_IO else item_nbytes(item) for item in plan.items]
+    nbytes = [0 if item.type == WriteItemType.BYTE_IO else item_nbytes(item)
+              for item in plan.items]
     return Holdings(plan.items, np.asarray(nbytes, dtype=np.int64).tobytes(),
                     signature(plan.items, nbytes))
 
 
 def signature(items: list[WriteItem], nbytes: list[int]) -> str:
-    doc = [(i.index.fqn, list(i.index.offset or ()), n) for i, n in zip(items, nbytes)]
+    doc = [(i.index.fqn, list(i.index.offset or ()), n)
+           for i, n in zip(items, nbytes, strict=True)]  # one size per item (holdings)
     return chunk_id(json.dumps(doc).encode())
 
 
@@ -131,13 +135,14 @@ class _Held:
                 mine.append(i)
             self.ids.append(np.asarray(mine, dtype=np.int64))
         sizes = np.zeros(len(self.index), dtype=np.int64)
-        for mine, h in zip(self.ids, held):
-            sizes[mine] = np.frombuffer(h.nbytes, dtype=np.int64)
+        for rank_ids, h in zip(self.ids, held, strict=True):  # one id array per rank
+            sizes[rank_ids] = np.frombuffer(h.nbytes, dtype=np.int64)
         self.nbytes = sizes.tolist()
         counts = np.fromiter((len(m) for m in self.ids), dtype=np.int64, count=len(self.ids))
         flat = np.concatenate(self.ids) if self.ids else np.empty(0, np.int64)
         ranks = np.repeat(np.arange(len(held), dtype=np.int64), counts)
-        positions = np.arange(len(flat), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)  # each rank's first row in flat
+        positions = np.arange(len(flat), dtype=np.int64) - starts
         order = np.argsort(flat, kind="stable")  # by item, then rank
         self.count = np.bincount(flat, minlength=len(self.index))
         bounds = np.cumsum(self.count)[:-1]
@@ -174,7 +179,8 @@ def assign(plans: list[SavePlan], held: list[Holdings], *, balance: bool, chunk_
                 for i in tensors}
         items = [PlanItem(k, table.nbytes[i], tuple(table.holders[i]) if world > 1 else (0,))
                  for k, i in keys.items()]
-        for rank, ranges in enumerate(plan_writes(items, world, chunk_size=chunk_size, weights=weights)):
+        planned = plan_writes(items, world, chunk_size=chunk_size, weights=weights)
+        for rank, ranges in enumerate(planned):
             for r in ranges:
                 rows[rank].append((table.position(keys[r.key], rank), r.start, r.end))
     out = []
@@ -188,7 +194,8 @@ def assign(plans: list[SavePlan], held: list[Holdings], *, balance: bool, chunk_
     return out
 
 
-def held_items(assignment: Assignment, stash: tuple[str, list[WriteItem]] | None) -> list[WriteItem]:
+def held_items(assignment: Assignment,
+               stash: tuple[str, list[WriteItem]] | None) -> list[WriteItem]:
     """The item list an assignment's positions refer to, on the rank: the one kept with it
     (DCP's plan cache), or this writer's last local plan when its signature matches."""
     if assignment.held is None:
@@ -224,11 +231,13 @@ def encode_results(rank: int, save_id: str, entries: list[Any], sizes: dict[str,
     number: dict[str, int] = {}
     parts = []
     for e in entries:
-        rows = [(p.start, p.length, number.setdefault(p.chunk, len(number)), p.offset) for p in e.pieces]
+        rows = [(p.start, p.length, number.setdefault(p.chunk, len(number)), p.offset)
+                for p in e.pieces]
+        packed = np.asarray(rows, dtype=np.int64).reshape(-1, 4).tobytes()
         parts.append((e.index.fqn, tuple(e.index.offset or ()), e.kind, int(e.flat.numel()),
-                      e.written, e.reused, np.asarray(rows, dtype=np.int64).reshape(-1, 4).tobytes()))
-    return RankResults(rank, save_id, tuple(number), np.asarray([sizes[c] for c in number], dtype=np.int64)
-                       .tobytes(), tuple(parts), prints)
+                      e.written, e.reused, packed))
+    chunk_sizes = np.asarray([sizes[c] for c in number], dtype=np.int64).tobytes()
+    return RankResults(rank, save_id, tuple(number), chunk_sizes, tuple(parts), prints)
 
 
 def decode_results(sent: list[RankResults]) -> dict[MetadataIndex, list[ShardPart]]:
@@ -238,7 +247,8 @@ def decode_results(sent: list[RankResults]) -> dict[MetadataIndex, list[ShardPar
         sizes = np.frombuffer(r.sizes, dtype=np.int64).tolist()
         for fqn, offsets, kind, nbytes, written, reused, rows in r.parts:
             pieces, used = [], {}
-            for start, length, c, offset in np.frombuffer(rows, dtype=np.int64).reshape(-1, 4).tolist():
+            piece_rows = np.frombuffer(rows, dtype=np.int64).reshape(-1, 4).tolist()
+            for start, length, c, offset in piece_rows:
                 pieces.append(StoredPiece(start, length, r.chunks[c], offset))
                 used[r.chunks[c]] = sizes[c]
             index = MetadataIndex(fqn, offsets) if kind == "tensor" else MetadataIndex(fqn)

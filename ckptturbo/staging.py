@@ -81,7 +81,8 @@ class HostBufferPool:
         if nbytes == 0:
             return HostBuffer(self.arena[:0], 0, 0)
         if nbytes > self.capacity:
-            raise ValueError(f"request of {nbytes} bytes exceeds the staging pool ({self.capacity})")
+            raise ValueError(
+                f"request of {nbytes} bytes exceeds the staging pool ({self.capacity})")
         deadline = None if timeout is None else time.monotonic() + timeout
         arena = self.arena
         with self._cond:

@@ -20,37 +20,28 @@ import copy
 import os
 import uuid
 import zlib
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .chunk_store import ObjectInfo
+from .chunk_store import ObjectInfo, default_opener
 from .errors import CheckpointNotFound, ShortReadError, StorageError
 from .retry import RetryPolicy, is_past_the_end
 
 T = TypeVar("T")
 
 
+@runtime_checkable
 class IOPools(Protocol):
     """What a store needs from its owner (``ckptturbo.runtime.Runtime``): the I/O thread
     pool of an endpoint, shared by every store the owner opens on it."""
 
     def executor(self, key: tuple, workers: int) -> ThreadPoolExecutor:
         """The pool of ``key`` (an endpoint) with ``workers`` threads, made on first use."""
-
-
-_default_owner: Callable[[], IOPools] | None = None
-
-
-def use_default_owner(find: Callable[[], IOPools]) -> None:
-    """Hand this layer the process's default runtime (``ckptturbo.runtime`` does, once, at
-    its import): the owner of the I/O of stores opened without one. The store never
-    looks a runtime up itself: the runtime sits above it."""
-    global _default_owner
-    _default_owner = find
 
 
 # A local write goes to a file of this name beside its target, then is renamed over it
@@ -62,7 +53,7 @@ TEMP_PREFIX = ".tmp-"
 # Parameter validation is off so that a body can be a memoryview of the staging buffer
 # (botocore's validator accepts only bytes, bytearray or files; the rest of botocore,
 # SigV4 and aiohttp take any buffer): a copy per body cost ~0.7 CPU-s per GiB saved.
-DEFAULT_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30,
+DEFAULT_S3_CONFIG: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 30,
                      "retries": {"total_max_attempts": 1},
                      "request_checksum_calculation": "when_required",
                      "response_checksum_validation": "when_required",
@@ -126,7 +117,8 @@ class Store:
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         protocol = fsspec.utils.get_protocol(self.url)
-        self.max_workers = max_workers or default_io_workers(protocol not in ("file", "local", "memory"))
+        remote = protocol not in ("file", "local", "memory")
+        self.max_workers = max_workers or default_io_workers(remote)
         options = dict(self.storage_options)
         self._body_views = False  # may bodies be memoryviews (see DEFAULT_S3_CONFIG)?
         self._crc_puts = False  # does each single PUT carry a CRC32 (see _s3_config)?
@@ -157,14 +149,15 @@ class Store:
     def __getstate__(self) -> dict[str, Any]:
         policy = self.policy
         return {"url": self.url, "storage_options": self.storage_options,
-                "max_workers": self.max_workers, "retries": policy.retries, "backoff": policy.backoff,
+                "max_workers": self.max_workers, "retries": policy.retries,
+                "backoff": policy.backoff,
                 "multipart_threshold": self.multipart_threshold, "part_size": self.part_size,
                 "request_timeout": policy.request_timeout, "deadline": policy.deadline,
                 "outage_cooldown": policy.outage_cooldown}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         url, options = state.pop("url"), state.pop("storage_options")
-        self.__init__(url, options, **state)
+        Store.__init__(self, url, options, **state)
 
     # --- paths
     def join(self, base: str, *parts: str) -> str:
@@ -191,13 +184,12 @@ class Store:
     def session(self) -> IOPools:
         """The runtime that owns this store's I/O threads: the one that opened it
         (``Runtime.open_store``), else the process's default runtime (a store built
-        directly, or unpickled), as handed to :func:`use_default_owner`."""
+        directly, or unpickled), as handed to ``chunk_store.use_default_opener``."""
         if self._session is None:
-            if _default_owner is None:
-                raise StorageError(f"no runtime runs the I/O of the store of {self.url!r} "
-                                   "(import ckptturbo.runtime, or open it with "
-                                   "Runtime.open_store)")
-            self._session = _default_owner()
+            owner = default_opener(self.url)
+            if not isinstance(owner, IOPools):
+                raise StorageError(f"the default opener {owner!r} runs no I/O for {self.url!r}")
+            self._session = owner
         return self._session
 
     @property
@@ -217,7 +209,8 @@ class Store:
         by the policy (request_timeout and the call's deadline), which cancels the request
         itself rather than abandoning a thread to it."""
         if isinstance(self.fs, AsyncFileSystem):
-            return self.policy.run_async(self.fs.loop, getattr(self.fs, f"_{method}")(*args, **kwargs))
+            coro = getattr(self.fs, f"_{method}")(*args, **kwargs)
+            return self.policy.run_async(self.fs.loop, coro)
         return getattr(self.fs, method)(*args, **kwargs)
 
     # --- writes
@@ -374,7 +367,8 @@ class Store:
         finally:
             body.close()
         if got < expected:  # the connection ended inside the body
-            raise ConnectionError(f"{self.url_of(path)}: the body ended after {got} of {expected} bytes")
+            raise ConnectionError(f"{self.url_of(path)}: the body ended after {got} of "
+                                  f"{expected} bytes")
         return got
 
     # --- metadata
@@ -395,7 +389,8 @@ class Store:
         else:
             parent, kwargs = prefix, {}
         try:
-            found = self.policy.call("list", prefix, lambda: self._request("find", parent, detail=True, **kwargs))
+            found = self.policy.call("list", prefix, lambda: self._request(
+                "find", parent, detail=True, **kwargs))
         except CheckpointNotFound:
             self.check_reachable()  # an absent prefix is empty; an absent bucket is an error
             return []
@@ -405,7 +400,8 @@ class Store:
     def list_dirs(self, prefix: str) -> list[str]:
         """Immediate children of prefix that are directories (or common prefixes)."""
         try:
-            entries = self.policy.call("list", prefix, lambda: self._request("ls", prefix, detail=True, refresh=True))
+            entries = self.policy.call("list", prefix, lambda: self._request(
+                "ls", prefix, detail=True, refresh=True))
         except CheckpointNotFound:
             self.check_reachable()
             return []
@@ -414,7 +410,8 @@ class Store:
     def delete(self, paths: Iterable[str]) -> None:
         paths = list(paths)
         if paths:
-            self.map(lambda p: self.policy.call("delete", p, lambda: self._request("rm_file", p)), paths)
+            self.map(lambda p: self.policy.call(
+                "delete", p, lambda: self._request("rm_file", p)), paths)
 
     def check_reachable(self) -> None:
         """Fail fast with a clear error when the location (bucket, directory) is unusable."""
@@ -422,7 +419,8 @@ class Store:
             return
         bucket = self.root.split("/", 1)[0]
         try:
-            self.policy.call("open bucket", bucket, lambda: self._request("ls", bucket, refresh=True))
+            self.policy.call("open bucket", bucket,
+                             lambda: self._request("ls", bucket, refresh=True))
         except CheckpointNotFound as exc:
             raise CheckpointNotFound(f"bucket {self.protocol}://{bucket} does not exist "
                                      f"(opening {self.url})") from exc
@@ -461,7 +459,8 @@ def _crc32(data: bytes | bytearray | memoryview) -> str:
 
 def _endpoint(options: dict[str, Any]) -> str:
     """The endpoint s3fs will reach (AWS itself, over https, unless one is named)."""
-    endpoint = (options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    endpoint = (options.get("endpoint_url")
+                or (options.get("client_kwargs") or {}).get("endpoint_url")
                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
     return str(endpoint or "https://s3.amazonaws.com")
 

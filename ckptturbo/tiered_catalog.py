@@ -17,8 +17,13 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .catalog import (CheckpointInfo, collect_garbage, delete_checkpoint, is_committed,
-                      list_checkpoints)
+from .catalog import (
+    CheckpointInfo,
+    collect_garbage,
+    delete_checkpoint,
+    is_committed,
+    list_checkpoints,
+)
 from .errors import CheckpointNotFound, CkptTurboError
 from .runtime import wait_for_saves
 from .tiers import Tiers
@@ -44,7 +49,8 @@ def list_tiered(run_url: str, storage_options: dict[str, Any] | None, tiers: Tie
         wait_for_saves(run, under=True)
     held: dict[str, list[str]] = {}
     infos: dict[str, CheckpointInfo] = {}
-    for tier, where, options in ((MEMORY, tiers.memory_run(run), None), (DURABLE, run, storage_options)):
+    for tier, where, options in ((MEMORY, tiers.memory_run(run), None),
+                                 (DURABLE, run, storage_options)):
         for c in list_checkpoints(where, options, include_unreadable=include_unreadable,
                                   wait=False, session=session):
             if c.pending:  # only the durable listing has them: saves are tracked by durable URLs

@@ -74,7 +74,8 @@ class TieredSaveHandle(SaveHandle):
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.suppress(Exception):  # a failed replication does not fail the save
             self.replicated.exception(timeout)
-        return self.durable.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.durable.result(left)
 
     result = wait
 
@@ -94,21 +95,12 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
     """``ct.save(..., tiers=...)``: see the module docstring."""
     run_url, name = split_checkpoint(url)
     memory_url = tiers.memory_url(url)
-    if writer_options.get("store", RUN_STORE) not in (None, RUN_STORE):
-        raise CkptTurboError(f"saving {url}: tiers= keeps a run's chunks in one store per tier "
-                             "(replication and persists copy between them); store="
-                             f"{writer_options['store']!r} cannot be combined with it")
-    if writer_options.get("overwrite") is False:  # the memory tier's writer checks its own
-        Location(url, storage_options, session=session).refuse_committed()
+    _check_options(session, url, storage_options, writer_options)
     count = session.count_save(("tiers", run_url))
     handle = TieredSaveHandle(url, tiers.persists(count, persist))
     handle.sequence = count
     _bound_the_backlog(session, run_url, handle, wait_previous)
-    # persists run behind the next saves, so on a group of their own (made here, on the
-    # caller's thread, where every rank makes its groups in the same order)
-    persist_group, replicate_group = ((session.gloo_group(process_group, "persist"),
-                                       session.gloo_group(process_group, "replicate"))
-                                      if collective and dist.is_initialized() else (None, None))
+    persist_group, replicate_group = _tier_groups(session, process_group, collective)
     started = time.monotonic()
 
     def after_commit(group: Any, committed: SaveSummary) -> None:
@@ -117,7 +109,8 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         local = dataclasses.replace(committed, seconds=seconds)
         ranks = Nodes(group, tiers.node_name)
         memory = Location(memory_url, session=session)
-        manifest_bytes = ranks.share(memory.store.get(memory.manifest_path) if ranks.coordinator else None)
+        manifest_bytes = ranks.share(memory.store.get(memory.manifest_path)
+                                     if ranks.coordinator else None)
         agree(group, f"writing the manifest of {url} to every node's memory tier",
               lambda: _commit_on_node(memory, manifest_bytes, ranks))
         if ranks.node_leader:  # before `local`: no later save of this writer runs yet
@@ -127,13 +120,6 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
             handle.durable.set_result(None)
         manifest = Manifest.from_bytes(manifest_bytes, f"{memory.url}/{MANIFEST_NAME}")
         _after(session, run_url, handle, "replicated")
-        def evict_again() -> None:
-            """The replicas received since the commit, and what had to stay for this save,
-            evicted before its last future resolves: a save whose handle is done no longer
-            touches the tier."""
-            if ranks.node_leader:
-                handle.over_budget = _evict(session, run_url, tiers, keep=set(), finishing=handle)
-
         held = None  # which nodes hold which chunks once replicated: where a persist reads
         try:
             replicated, held = _replicate(url, memory, manifest, tiers.replicas,
@@ -142,16 +128,17 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
         except Exception as exc:  # noqa: BLE001 - the checkpoint stands in its node's memory
             failure = as_ckptturbo_error(exc, url, "replicating")
         if not handle.persisted:
-            evict_again()
+            _evict_finished(session, run_url, tiers, ranks, handle)
         if failure is None:
             handle.replicated.set_result(replicated)
         else:
             handle.replicated.set_exception(failure)
         if handle.persisted:
             _after(session, run_url, handle, "durable")
-            summary = _persist(session, url, memory, manifest, Nodes(persist_group, tiers.node_name),
-                               storage_options, local, started, held)
-            evict_again()
+            summary = _persist(session, url, memory, manifest,
+                               Nodes(persist_group, tiers.node_name), storage_options, local,
+                               started, held)
+            _evict_finished(session, run_url, tiers, ranks, handle)
             handle.durable.set_result(summary)
 
     run_save(session, state_dict, url, memory_url, handle, process_group=process_group,
@@ -159,6 +146,37 @@ def save(session: Runtime, state_dict: dict[str, Any], url: str, tiers: Tiers, *
              wait_previous=wait_previous, writer_options=writer_options, after_commit=after_commit)
     session.started(run_url, handle)  # started: its futures will resolve
     return handle
+
+
+def _check_options(session: Runtime, url: str, storage_options: dict[str, Any] | None,
+                   writer_options: dict[str, Any]) -> None:
+    """Refuse a ``store=`` other than the run's, and with ``overwrite=False`` a committed
+    checkpoint at ``url`` (the memory tier's writer checks its own)."""
+    if writer_options.get("store", RUN_STORE) not in (None, RUN_STORE):
+        raise CkptTurboError(f"saving {url}: tiers= keeps a run's chunks in one store per tier "
+                             "(replication and persists copy between them); store="
+                             f"{writer_options['store']!r} cannot be combined with it")
+    if writer_options.get("overwrite") is False:
+        Location(url, storage_options, session=session).refuse_committed()
+
+
+def _tier_groups(session: Runtime, process_group: Any, collective: bool) -> tuple[Any, Any]:
+    """The (persist, replicate) gloo groups: persists and replications run behind the next
+    saves, so on groups of their own (made on the caller's thread, where every rank makes
+    its groups in the same order); (None, None) without a process group."""
+    if not (collective and dist.is_initialized()):
+        return None, None
+    return (session.gloo_group(process_group, "persist"),
+            session.gloo_group(process_group, "replicate"))
+
+
+def _evict_finished(session: Runtime, run_url: str, tiers: Tiers, ranks: Nodes,
+                    handle: TieredSaveHandle) -> None:
+    """The replicas received since the commit, and what had to stay for this save, evicted
+    before its last future resolves: a save whose handle is done no longer touches the
+    tier."""
+    if ranks.node_leader:
+        handle.over_budget = _evict(session, run_url, tiers, keep=set(), finishing=handle)
 
 
 def _after(session: Runtime, run_url: str, handle: TieredSaveHandle, step: str) -> None:
@@ -176,9 +194,11 @@ def _evict(session: Runtime, run_url: str, tiers: Tiers, keep: set[str],
     """Evict the oldest checkpoints of this node's memory tier beyond its budget, keeping
     ``keep`` and the saves in flight but ``finishing`` (whose work is done but for this);
     whether the tier is still over its budget."""
-    in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True) if h is not finishing}
+    in_flight = {split_checkpoint(h.url)[1] for h in pending_saves(run_url, under=True)
+                 if h is not finishing}
     try:
-        return eviction.evict(tiers.memory_run(run_url), tiers.budget(), keep=frozenset(in_flight | keep),
+        return eviction.evict(tiers.memory_run(run_url), tiers.budget(),
+                              keep=frozenset(in_flight | keep),
                               session=session).over_budget
     except (CkptTurboError, OSError) as exc:  # the checkpoints stand, over budget
         log.warning("memory tier of %s: eviction failed: %s", run_url, exc)

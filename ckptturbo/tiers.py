@@ -54,10 +54,12 @@ class Tiers:
     replicas: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+        replicas = self.replicas
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise CkptTurboError(f"Tiers.replicas must be an integer >= 0, got {self.replicas!r}")
         if not isinstance(self.persist_every, int) or self.persist_every < 0:
-            raise CkptTurboError(f"Tiers.persist_every must be an integer >= 0, got {self.persist_every!r}")
+            raise CkptTurboError("Tiers.persist_every must be an integer >= 0, got "
+                                 f"{self.persist_every!r}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise CkptTurboError(f"Tiers.memory_bytes must be positive, got {self.memory_bytes!r}")
 
@@ -78,7 +80,8 @@ class Tiers:
             try:
                 return int(env)
             except ValueError:
-                raise CkptTurboError(f"{MEMORY_BYTES_ENV}={env!r} is not a number of bytes") from None
+                raise CkptTurboError(
+                    f"{MEMORY_BYTES_ENV}={env!r} is not a number of bytes") from None
         os.makedirs(self.memory_dir, exist_ok=True)
         fs = os.statvfs(self.memory_dir)
         return int(fs.f_blocks * fs.f_frsize * DEFAULT_BUDGET_FRACTION)
@@ -92,7 +95,8 @@ class Tiers:
         The hash of the durable URL keeps two runs of the same name apart."""
         key = url_key(run_url)
         name = _path_name(posixpath.basename(key) or "run")
-        return posixpath.join(self.memory_dir, self.node_name, f"{name}-{chunk_id(key.encode())[:16]}")
+        return posixpath.join(self.memory_dir, self.node_name,
+                              f"{name}-{chunk_id(key.encode())[:16]}")
 
     def memory_url(self, checkpoint_url: str) -> str:
         """Where a durable checkpoint URL's copy lives in this node's memory tier."""

@@ -9,6 +9,7 @@ small object that loads with torch's restricted unpickler.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ def unflatten(flat: dict[str, Any], planner_data: Any, where: str) -> dict[str, 
     for key, value in flat.items():
         path = mapping.get(key, (key,))
         node: Any = out
-        for part, nxt in zip(path[:-1], path[1:]):
+        for part, nxt in pairwise(path):
             default: Any = [] if isinstance(nxt, int) else {}
             if isinstance(node, list):
                 while len(node) <= part:

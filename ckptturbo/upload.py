@@ -12,19 +12,21 @@ Results: each entry's stored pieces (``save_plan.encode_results`` packs them) an
 from __future__ import annotations
 
 import functools
+import io
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from . import catalog, replicas
-from .errors import UnsupportedStateError
 from .chunk_index import ChunkIndex
 from .chunks import ChunkLayout, chunk_id, layout_chunks
+from .errors import UnsupportedStateError
 from .manifest_records import StoredPiece
 from .results import SaveStats
 from .runs import RunStore
@@ -57,6 +59,7 @@ class _Staged:
 
     def release(self) -> None:
         if self.buf is not None:
+            assert self.pool is not None, "a pool buffer is staged with the pool it came from"
             self.pool.release(self.buf)
 
 
@@ -67,8 +70,10 @@ class _Stored:
     new: bool
 
 
-def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[int, int]] | None]],
-                 checks: list[WriteItem], replica_check: str, url: str) -> tuple[list[Entry], bytes]:
+def plan_entries(planner: SavePlanner,
+                 writes: list[tuple[WriteItem, list[tuple[int, int]] | None]],
+                 checks: list[WriteItem], replica_check: str,
+                 url: str) -> tuple[list[Entry], bytes]:
     """The entries this rank writes (``writes``: item and byte ranges, None for all of it),
     and the packed fingerprints of the replicated items it holds (``checks``). What cannot
     be saved (an object pickle refuses, a meta tensor) is an UnsupportedStateError naming it."""
@@ -76,31 +81,35 @@ def plan_entries(planner: SavePlanner, writes: list[tuple[WriteItem, list[tuple[
     for item, ranges in writes:
         if item.type == WriteItemType.BYTE_IO:
             try:
-                data = planner.resolve_data(item).getvalue()
+                # DCP resolves a BYTE_IO item to the BytesIO of its pickled object
+                data = cast(io.BytesIO, planner.resolve_data(item)).getvalue()
             except Exception as exc:  # noqa: BLE001 - whatever pickling raised, named below
-                raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: the object "
-                                            f"cannot be serialised ({type(exc).__name__}: {exc})") from exc
+                raise UnsupportedStateError(
+                    f"cannot save {item.index.fqn!r} to {url}: the object cannot be "
+                    f"serialised ({type(exc).__name__}: {exc})") from exc
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
                 torch.empty(0, dtype=torch.uint8)
             entries.append(Entry(item.index, flat, [(0, len(data))], "bytes"))
             continue
         flat = _tensor_bytes(planner, item, url)
-        entries.append(Entry(item.index, flat, list(ranges) if ranges is not None else [(0, flat.numel())],
+        whole = [(0, flat.numel())]
+        entries.append(Entry(item.index, flat, list(ranges) if ranges is not None else whole,
                              "tensor"))
     if replica_check == "off" or not checks:
         return entries, b""
     resolved = {e.index: e.flat for e in entries}
     prints = []
     for item in checks:
-        flat = resolved.get(item.index)
-        if flat is None:
-            flat = _tensor_bytes(planner, item, url)
-        prints.append((replicas.item_key(item.index), replicas.fingerprint(flat, replica_check)))
+        held = resolved.get(item.index)
+        if held is None:
+            held = _tensor_bytes(planner, item, url)
+        prints.append((replicas.item_key(item.index), replicas.fingerprint(held, replica_check)))
     return entries, replicas.pack(prints)
 
 
 def _tensor_bytes(planner: SavePlanner, item: WriteItem, url: str) -> torch.Tensor:
-    tensor = planner.resolve_data(item)
+    # only tensor items come here (writes skip BYTE_IO; replica checks compare tensors)
+    tensor = cast(torch.Tensor, planner.resolve_data(item))
     if tensor.is_meta:
         raise UnsupportedStateError(f"cannot save {item.index.fqn!r} to {url}: it is a meta "
                                     "tensor, which holds no data (materialise it first)")
@@ -251,7 +260,7 @@ class Upload:
     def _hash_and_put(self, staged: _Staged, index: ChunkIndex) -> tuple[str, bool]:
         try:
             DeviceCopier.wait(staged.event)
-            data = staged.view.numpy()
+            data = staged.view.numpy().data  # the chunk's bytes, as a memoryview
             cid = chunk_id(data)
             if cid in index:
                 return cid, False
@@ -261,7 +270,7 @@ class Upload:
                 other.result()
                 return cid, False
             try:
-                self.run_store.store.put(self.run_store.chunk_path(cid), memoryview(data))
+                self.run_store.store.put(self.run_store.chunk_path(cid), data)
                 index.add(cid)
                 mine.set_result(True)
             except BaseException as exc:

@@ -2,7 +2,8 @@
 
 A save to ``run/step-1`` and a load of ``file:///abs/run/step-1/`` must be known to be the
 same checkpoint (read-your-writes, the wait at exit, a run's memory tier), so every module
-that compares or keys by location asks here instead of trimming slashes itself.
+that compares or keys by location, or takes a checkpoint's run, asks here instead of
+trimming slashes itself.
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def url_key(url: Any) -> str:
 def covers(key: str, target: str, under: bool) -> bool:
     """Whether location ``key`` is ``target`` or, with ``under``, below it (both url_keys)."""
     return key == target or (under and key.startswith(target + "/"))
+
+
+def parent_url(url: Any) -> str:
+    """The URL one level up (a checkpoint's run); a URL without a ``/`` is its own."""
+    return str(url).rstrip("/").rsplit("/", 1)[0]
 
 
 def split_checkpoint(url: str) -> tuple[str, str]:

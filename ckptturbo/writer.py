@@ -15,13 +15,18 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta,
-                                                  TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
@@ -209,7 +214,7 @@ class TurboWriter(StorageWriter, AsyncStager):
                     "TurboWriter.prepare_global_plan: DCP's plan cache sent new plans for some "
                     "ranks only, and this writer did not make the plans the others keep; use the "
                     "same TurboWriter for every save with plan caching")
-            plans = [p if p.usable else old for p, old in zip(plans, last[2])]
+            plans = [p if p.usable else old for p, old in zip(plans, last[2], strict=True)]
         held = [p.storage_data for p in plans]
         if not all(isinstance(h, save_plan.Holdings) for h in held):
             raise CkptTurboError("TurboWriter.prepare_global_plan got plans it did not prepare")
@@ -218,11 +223,14 @@ class TurboWriter(StorageWriter, AsyncStager):
             assignments = last[1]
             self.plan_cache_hits += 1
         else:
-            assignments = save_plan.assign(plans, held, balance=self.balance, chunk_size=self.chunk_size,
-                                           weights=self.weights, check_replicas=self.replica_check != "off",
+            assignments = save_plan.assign(plans, held, balance=self.balance,
+                                           chunk_size=self.chunk_size, weights=self.weights,
+                                           check_replicas=self.replica_check != "off",
                                            save_id=self.save_id)
         self._cached_plan = (key, assignments, plans)
-        return [dataclasses.replace(p, items=[], storage_data=a) for p, a in zip(plans, assignments)]
+        # one assignment per plan: assign makes one per rank, or the cache's key matched
+        return [dataclasses.replace(p, items=[], storage_data=a)
+                for p, a in zip(plans, assignments, strict=True)]
 
     def _prepare_grouped(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Plans from ``TurboSavePlanner``: one whole plan per distinct digest
@@ -249,6 +257,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         assignment = plan.storage_data if isinstance(plan.storage_data, Assignment) else None
         marker = assignment.marker_id(self.url) if assignment else self.save_id
         try:
+            writes: list[tuple[WriteItem, list[tuple[int, int]] | None]]
             if assignment is None:  # a plan this writer did not prepare: every item, whole
                 writes, checks = [(item, None) for item in plan.items], []
             else:
@@ -284,7 +293,8 @@ class TurboWriter(StorageWriter, AsyncStager):
             replicas.check((r.prints for r in sent), _indices(metadata),
                            raise_=self.on_replica_mismatch == "raise")
             manifest = build_manifest(metadata, save_plan.decode_results(sent), url=self.url,
-                                      save_id=self.save_id, chunk_store_ref=location.chunk_store_ref,
+                                      save_id=self.save_id,
+                                      chunk_store_ref=location.chunk_store_ref,
                                       world_size=len(results))
             replaces = location.self_contained and location.store.exists(location.manifest_path)
             location.write_manifest(manifest)

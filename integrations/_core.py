@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from ckptturbo.adapter_support import (
     flatten,
     gather,
 )
+from ckptturbo.adapter_support import parent_url as run_of  # noqa: F401 - lightning's gc
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ class DeferredGC:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states; NumPy's key array as a tensor, so no full unpickling is needed."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)),
                                                      pos, has_gauss, cached),
              "cpu": torch.random.get_rng_state()}
@@ -216,8 +218,3 @@ def all_ranks(value: Any) -> list[Any]:
     """Every rank's value on every rank, so that every rank saves the same tree."""
     _, world = rank_and_world()
     return gather(dist.group.WORLD if world > 1 else None, value)
-
-
-def run_of(url: str) -> str:
-    """The run (chunk store) a checkpoint URL belongs to: its parent."""
-    return str(url).rstrip("/").rsplit("/", 1)[0]

@@ -1,13 +1,14 @@
-"""Accelerate: ``save_state(accelerator, url)`` / ``load_state(accelerator, url)`` through ckptturbo.
+"""Accelerate: ``save_state(accelerator, url)`` / ``load_state(accelerator, url)`` through
+ckptturbo.
 
 ``Accelerator.save_state`` writes local files only, synchronously, and under FSDP hard-codes
 ``FileSystemWriter``. These two functions cover what it covers (models, optimizers,
-schedulers, the grad scaler, every rank's RNG states (Python, NumPy, torch, CUDA), objects registered with
-``register_for_checkpointing``, stateful dataloaders and sampler epochs, ``accelerator.step``)
-in one ckptturbo checkpoint, local or ``s3://``. Model and optimizer state go through
-``torch.distributed.checkpoint.state_dict`` (plain, DDP and FSDP alike: sharded models
-save their shards), and every rank takes part: replicated weights are uploaded once,
-split over the ranks. ``save_state`` returns once the state is staged in host memory.
+schedulers, the grad scaler, every rank's RNG states (Python, NumPy, torch, CUDA), objects
+registered with ``register_for_checkpointing``, stateful dataloaders and sampler epochs,
+``accelerator.step``) in one ckptturbo checkpoint, local or ``s3://``. Model and optimizer
+state go through ``torch.distributed.checkpoint.state_dict`` (plain, DDP and FSDP alike:
+sharded models save their shards), and every rank takes part: replicated weights are
+uploaded once, split over the ranks. ``save_state`` returns once the state is staged in host memory.
 
 What follows ``Accelerator.save_state``/``load_state``: hooks registered with
 ``register_save_state_pre_hook`` (called with the models, their state dicts, which a hook
@@ -61,7 +62,7 @@ def _loader_state(loader: Any) -> dict[str, Any]:
     if getattr(loader, "use_stateful_dataloader", False):
         state["state_dict"] = loader.state_dict()
     sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "epoch"):
+    if sampler is not None and hasattr(sampler, "epoch"):
         state["sampler_epoch"] = int(sampler.epoch)
     return state
 
@@ -131,22 +132,29 @@ def load_state(accelerator: Any, url: str, *, storage_options: dict[str, Any] | 
         _check_counts(url, tree, "schedulers", _prepared(accelerator, "_schedulers"))
         _check_counts(url, tree, "custom", _prepared(accelerator, "_custom_objects"))
         options = StateDictOptions(strict=strict)
-        for i, (model, sd) in enumerate(zip(models, tree["models"])):
+        # the counts of each list were checked above
+        for i, (model, sd) in enumerate(zip(models, tree["models"], strict=True)):
             with _fitting(url, f"model {i}"):
                 set_model_state_dict(model, sd, options=options)
-        _load_scaler(accelerator, url, tree["scaler"])  # before the optimizers, as Accelerate (FSDP2)
-        for i, ((model, opt), sd) in enumerate(zip(_pairs(accelerator), tree["optimizers"])):
+        # the scaler before the optimizers, as Accelerate does (FSDP2)
+        _load_scaler(accelerator, url, tree["scaler"])
+        pairs = _pairs(accelerator)  # one per optimizer
+        for i, ((model, opt), sd) in enumerate(zip(pairs, tree["optimizers"], strict=True)):
             with _fitting(url, f"optimizer {i}"):
                 set_optimizer_state_dict(model, opt, sd)
-        for i, (sched, sd) in enumerate(zip(_prepared(accelerator, "_schedulers"), tree["schedulers"])):
+        schedulers = _prepared(accelerator, "_schedulers")
+        for i, (sched, sd) in enumerate(zip(schedulers, tree["schedulers"], strict=True)):
             with _fitting(url, f"scheduler {i}"):
                 sched.load_state_dict(sd)
-        for loader, sd in zip(_prepared(accelerator, "_dataloaders"), tree["dataloaders"]):
+        loaders = _prepared(accelerator, "_dataloaders")
+        # the dataloaders are not counted: those both sides have are restored
+        for loader, sd in zip(loaders, tree["dataloaders"], strict=False):
             if "state_dict" in sd:
                 loader.load_state_dict(sd["state_dict"])
             if "sampler_epoch" in sd and hasattr(getattr(loader, "sampler", None), "set_epoch"):
                 loader.sampler.set_epoch(sd["sampler_epoch"])
-        for i, (obj, sd) in enumerate(zip(_prepared(accelerator, "_custom_objects"), tree["custom"])):
+        custom = _prepared(accelerator, "_custom_objects")
+        for i, (obj, sd) in enumerate(zip(custom, tree["custom"], strict=True)):
             with _fitting(url, f"registered object {i}"):
                 obj.load_state_dict(sd)
         rank, _ = rank_and_world()
@@ -171,8 +179,9 @@ def _check_counts(url: str, tree: dict[str, Any], key: str, have: list[Any]) -> 
 def _load_scaler(accelerator: Any, url: str, saved: Any) -> None:
     scaler = getattr(accelerator, "scaler", None)
     if (scaler is None) != (saved is None):
-        raise ct.MismatchError(f"{url} holds {'a' if saved is not None else 'no'} grad scaler "
-                               f"state; the Accelerator has {'one' if scaler is not None else 'none'}")
+        raise ct.MismatchError(
+            f"{url} holds {'a' if saved is not None else 'no'} grad scaler state; the "
+            f"Accelerator has {'one' if scaler is not None else 'none'}")
     if scaler is not None:
         scaler.load_state_dict(saved)
 

@@ -1,4 +1,5 @@
-"""Lightning: ``Trainer(plugins=[TurboCheckpointIO()])`` makes every checkpoint async and deduplicated.
+"""Lightning: ``Trainer(plugins=[TurboCheckpointIO()])`` makes every checkpoint async and
+deduplicated.
 
 Lightning calls ``CheckpointIO.save_checkpoint`` on global rank 0 only, so the save runs in
 this process alone (no collective) and returns once the checkpoint dict is copied to host
@@ -19,7 +20,7 @@ import contextlib
 import io
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
@@ -38,6 +39,15 @@ from ._core import (
     shared_store,
     tiered_store,
 )
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    # the sharded-checkpoint mixin is typed as the strategies it is mixed into
+    _StrategyBase = ParallelStrategy
+else:
+    _StrategyBase = object
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +111,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
             return self.storage_options
         return {**(self.storage_options or {}), **dict(extra)}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> None:
         """Return once ``checkpoint`` is staged in host memory; the upload continues behind.
 
         On a local disk the checkpoint's directory exists when this returns, as a file
@@ -124,7 +135,8 @@ class TurboCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's whole checkpoint dict; objects need full unpickling only if weights_only=False.
+        """Lightning's whole checkpoint dict; objects need full unpickling only if
+        weights_only=False.
 
         A save of ``path`` in flight anywhere in this process (another Trainer's too) is
         waited for. A plain torch file at ``path`` loads as ``TorchCheckpointIO`` loads it
@@ -207,10 +219,12 @@ class TurboCheckpointIO(TorchCheckpointIO):
         return {**self.__dict__, "_handles": [], "_session": None, "_gc": None}
 
 
-def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any] | None = None,
+def load_from_checkpoint(cls: type[LightningModule], path: Any, *,
+                         storage_options: dict[str, Any] | None = None,
                          map_location: Any = None, weights_only: bool | None = None,
                          **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint`` for a ckptturbo checkpoint (local or ``s3://``), no Trainer needed.
+    """``cls.load_from_checkpoint`` for a ckptturbo checkpoint (local or ``s3://``), no
+    Trainer needed.
 
     ``LightningModule.load_from_checkpoint`` reads its path with ``torch.load`` and accepts
     no CheckpointIO, but it accepts a file-like object: the checkpoint is loaded through
@@ -221,13 +235,15 @@ def load_from_checkpoint(cls: type, path: Any, *, storage_options: dict[str, Any
     """
     plugin = TurboCheckpointIO(storage_options)
     try:
-        checkpoint = plugin.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = plugin.load_checkpoint(path, map_location=map_location,
+                                            weights_only=weights_only)
     finally:
         plugin.teardown()
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     buffer.seek(0)
-    return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=weights_only, **kwargs)
+    return cls.load_from_checkpoint(buffer, map_location=map_location,
+                                    weights_only=weights_only, **kwargs)
 
 
 def _is_local(url: str) -> bool:
@@ -254,7 +270,7 @@ def _unreserve_failed(durable: Any, url: str) -> None:
         _unreserve(url)
 
 
-class _TurboShardedCheckpoints:
+class _TurboShardedCheckpoints(_StrategyBase):
     """Sharded save/load for strategies that bypass CheckpointIO, through their public methods.
 
     Every rank saves its own shards collectively (``ckptturbo.save``), asynchronously; on
@@ -275,7 +291,8 @@ class _TurboShardedCheckpoints:
             self._turbo_inflight: list[Any] = []
         return self._turbo_inflight
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
         url = str(self.broadcast(str(filepath)))
         handles = self._turbo_handles()
         for handle in [h for h in handles if h.done()]:
@@ -288,7 +305,8 @@ class _TurboShardedCheckpoints:
         handles.append(handle)
         handle.staged.result()
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -300,15 +318,19 @@ class _TurboShardedCheckpoints:
         for handle in self._turbo_handles():
             handle.durable.result()
         optimizers = list(self.optimizers)
-        templates = flatten({"state_dict": get_model_state_dict(self.model),
-                             "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]})
+        model = self.model
+        assert model is not None, "Lightning loads a checkpoint into a set-up strategy's model"
+        templates = flatten({"state_dict": get_model_state_dict(model),
+                             "optimizer_states": [get_optimizer_state_dict(model, o)
+                                                  for o in optimizers]})
         templates.pop(SKELETON_KEY)
         tree = ct.load_state_dict(url, storage_options=self.turbo_storage_options,
                                   templates=templates, allow_pickle=weights_only is False,
                                   tiers=self.turbo_tiers)
-        set_model_state_dict(self.model, tree["state_dict"])
-        for opt, sd in zip(optimizers, tree.get("optimizer_states", [])):
-            set_optimizer_state_dict(self.model, opt, sd)
+        set_model_state_dict(model, tree["state_dict"])
+        # a checkpoint saved without optimizer states has none to restore
+        for opt, sd in zip(optimizers, tree.get("optimizer_states", []), strict=False):
+            set_optimizer_state_dict(model, opt, sd)
         return tree
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -338,10 +360,11 @@ class _TurboShardedCheckpoints:
 
 
 def _strategy(base: type) -> type:
-    class Turbo(_TurboShardedCheckpoints, base):  # type: ignore[valid-type, misc]
-        __doc__ = (f"``{base.__name__}`` saving sharded ckptturbo checkpoints (local or ``s3://``). "
-                   "Pass ``turbo_storage_options=`` for the object store, ``turbo_store=\"run\"`` "
-                   "to share one chunk store among the checkpoints of a directory, "
+    class Turbo(_TurboShardedCheckpoints, base):
+        __doc__ = (f"``{base.__name__}`` saving sharded ckptturbo checkpoints (local or "
+                   "``s3://``). Pass ``turbo_storage_options=`` for the object store, "
+                   "``turbo_store=\"run\"`` to share one chunk store among the checkpoints "
+                   "of a directory, "
                    "``turbo_tiers=`` for tiered checkpoints (docs/tiers.md).")
 
         def __init__(self, *args: Any, turbo_storage_options: dict[str, Any] | None = None,
@@ -360,7 +383,8 @@ def __getattr__(name: str) -> type:
     """``TurboFSDPStrategy`` / ``TurboModelParallelStrategy``, built on first use."""
     from lightning.pytorch import strategies
 
-    bases = {"TurboFSDPStrategy": "FSDPStrategy", "TurboModelParallelStrategy": "ModelParallelStrategy"}
+    bases = {"TurboFSDPStrategy": "FSDPStrategy",
+             "TurboModelParallelStrategy": "ModelParallelStrategy"}
     if name not in bases:
         raise AttributeError(name)
     cls = _strategy(getattr(strategies, bases[name]))

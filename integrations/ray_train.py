@@ -79,7 +79,8 @@ def _agreed_name(name: str | None) -> str:
     """
     if name is not None:
         return name
-    proposal = [f"checkpoint_{time.strftime('%Y-%m-%d_%H-%M-%S', time.gmtime())}_{time.time_ns() % 10**6:06d}"]
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    proposal = [f"checkpoint_{stamp}_{time.time_ns() % 10**6:06d}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
         group = ct.default_session().gloo_group(dist.group.WORLD, "names")
         dist.broadcast_object_list(proposal, src=0, group=group)

@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -51,9 +51,26 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 import ckptturbo as ct
 
-from ._core import (DeferredGC, all_ranks, chunk_store, ckptturbo_errors, exists,
-                    list_checkpoints, native_rng_state, rank_and_world, remove, rng_state,
-                    save_tree, tiered_store)
+from ._core import (
+    DeferredGC,
+    all_ranks,
+    chunk_store,
+    ckptturbo_errors,
+    exists,
+    list_checkpoints,
+    native_rng_state,
+    rank_and_world,
+    remove,
+    rng_state,
+    save_tree,
+    tiered_store,
+)
+
+if TYPE_CHECKING:
+    # the mixin is typed as the Trainer it is mixed into
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +289,7 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-class TurboTrainerMixin:
+class TurboTrainerMixin(_TrainerBase):
     """Mix in before ``Trainer``: its checkpoints become ckptturbo checkpoints, and it resumes
     from them and loads the best one from them.
 
@@ -293,19 +310,20 @@ class TurboTrainerMixin:
         self.turbo.intercept = False
         self.callback_handler = _TurboCallbackHandler(self.callback_handler, self.turbo)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
         """``Trainer.train``, resuming from a ckptturbo checkpoint: ``True`` takes the newest
         under the callback's root, and without one the Trainer's own resume goes on (its
         newest in ``output_dir``, or its ``ValueError`` when there is none)."""
         with ckptturbo_errors("resuming from", resume_from_checkpoint):
             url = self._turbo_resolve(resume_from_checkpoint)
         if url is None:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         local = tempfile.mkdtemp(prefix="ckptturbo-resume-")
         try:
             with ckptturbo_errors("resuming from", url):
                 self._turbo_materialize(url, local)
-            return super().train(resume_from_checkpoint=local, **kwargs)
+            return super().train(local, *args, **kwargs)
         finally:
             shutil.rmtree(local, ignore_errors=True)
 
@@ -320,20 +338,23 @@ class TurboTrainerMixin:
 
     def _turbo_export_callback_states(self) -> None:
         """Record ``ExportableState`` callbacks in the state, as the Trainer does before saving."""
+        # TrainerState.__post_init__ turns the list it is annotated with into this dict
+        states = cast(dict[str, Any], self.state.stateful_callbacks)
         for cb in (*self.callback_handler.callbacks, self.control):
             if not isinstance(cb, ExportableState):
                 continue
             name = type(cb).__name__
-            slot = self.state.stateful_callbacks.get(name)
+            slot = states.get(name)
             if isinstance(slot, list):
                 slot.append(cb.state())
             else:
-                self.state.stateful_callbacks[name] = cb.state()
+                states[name] = cb.state()
 
     def _load_best_model(self) -> None:
         """Load the best checkpoint's model from storage (the Trainer's own loader reads only
         its own files); a checkpoint not written by ckptturbo goes to the Trainer's loader."""
         best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer loads the best model only when it has one"
         self.turbo.wait()
         with ckptturbo_errors("loading the best model from", best):
             if not self.turbo.exists(best):

@@ -33,9 +33,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -44,8 +44,8 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 import ckptturbo as ct
-from ckptturbo.stream import SafetensorsStream
 from ckptturbo.errors import CheckpointKindError, CkptTurboError, MismatchError
+from ckptturbo.stream import SafetensorsStream
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class LoaderOptions:
                                  "--model-loader-extra-config '{\"url\": \"s3://bucket/model/\"}'")
         for key in ("lookahead", "memory_limit"):
             value = extra.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if value is not None and not positive:
                 raise CkptTurboError(f"{LOAD_FORMAT} extra config {key!r} must be a positive "
                                      f"integer, got {value!r}")
         options = extra.get("storage_options") or {}
@@ -131,7 +132,8 @@ class Weights:
             self.stream.close()
 
 
-def checkpoint_weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(options: LoaderOptions,
+                       process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a ckptturbo checkpoint, in batches of at most ``memory_limit`` bytes.
 
     Each batch is one grouped load: every chunk is read from storage by one worker of
@@ -162,7 +164,8 @@ def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
     yield from batch.items()
 
 
-def weights(options: LoaderOptions, process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def weights(options: LoaderOptions,
+            process_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs from the URL, whichever of the two kinds it holds."""
     return iter(Weights(options, process_group).start())
 
@@ -244,7 +247,7 @@ class CkptTurboModelLoader(BaseModelLoader):
                 yield name, tensor
 
         try:
-            loaded = model.load_weights(counted())
+            loaded = cast(_LoadsWeights, model).load_weights(counted())
             # Every worker of the group must consume the whole stream, or its peers wait forever.
             for _ in stream:
                 count += 1
@@ -257,6 +260,14 @@ class CkptTurboModelLoader(BaseModelLoader):
             if missing:
                 raise MismatchError(f"{self.options.url} has no weights for {len(missing)} "
                                     f"parameter(s) of the model, e.g. {missing[:5]}")
+
+
+class _LoadsWeights(Protocol):
+    """What vLLM asks of every model class it builds: loading its own (name, tensor) pairs
+    and answering the names it loaded (None from models that do not say)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str] | None:
+        ...
 
 
 def register() -> None:

@@ -10,7 +10,6 @@ import blake3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptturbo as ct
@@ -249,4 +248,9 @@ def test_writer_and_reader_are_picklable(tmp_path):
     reader = pickle.loads(pickle.dumps(ct.TurboReader(str(tmp_path / "run" / "a"))))
     out = {"x": torch.zeros(3)}
     dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["x"], torch.ones(3))
+    # a reader that has read its manifest keeps it across pickling, but not its location
+    used = pickle.loads(pickle.dumps(reader))
+    out = {"x": torch.zeros(3)}
+    dcp.load(out, storage_reader=used)
     assert torch.equal(out["x"], torch.ones(3))

@@ -14,9 +14,12 @@ from typing import Protocol, TypeVar
 class Piece(Protocol):
     """What span maths needs of a stored piece (``manifest_records.StoredPiece`` is one)."""
 
-    chunk: str
-    start: int
-    length: int
+    @property
+    def chunk(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def length(self) -> int: ...
 
 
 P = TypeVar("P", bound=Piece)

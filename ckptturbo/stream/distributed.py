@@ -21,7 +21,8 @@ early leaves the others waiting in the broadcast until its ``timeout`` (Communic
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,8 +137,10 @@ class ReadOnceFeed:
             size += r.size
         batches = []
         for group in groups:
-            fixed = [ChainAssignment(_key(r), r.size, everyone) for r in group if r.index in tail_heads]
-            needs = [ReadNeed(_key(r), r.size, everyone) for r in group if r.index not in tail_heads]
+            fixed = [ChainAssignment(_key(r), r.size, everyone)
+                     for r in group if r.index in tail_heads]
+            needs = [ReadNeed(_key(r), r.size, everyone)
+                     for r in group if r.index not in tail_heads]
             batches.append(sorted(fixed + plan_reads(needs, self.world), key=lambda a: a.chunk))
         return batches
 
@@ -158,7 +161,7 @@ class ReadOnceFeed:
         return self.source.fetch(self.reads[index])
 
     def _deliver(self, key: str, data: torch.Tensor) -> None:
-        self.reads[int(key)].fill(memoryview(data.numpy()))  # host buffers: see stream_group
+        self.reads[int(key)].fill(data.numpy().data)  # host buffers: see stream_group
 
     def _done(self, error: BaseException | None) -> None:
         if error is None:

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 
@@ -85,7 +86,8 @@ class SafetensorsStream:
         self._group, world = stream_group(opts.process_group)
         self._dist = world > 1
         if not isinstance(spec, str) and not spec:
-            raise ValueError("stream_safetensors needs a URL, a directory or a non-empty list of URLs")
+            raise ValueError(
+                "stream_safetensors needs a URL, a directory or a non-empty list of URLs")
         first = spec if isinstance(spec, str) else spec[0]
         prof = opts.settings(first)
         self.profile = prof
@@ -114,8 +116,8 @@ class SafetensorsStream:
             self._reads = cut_reads(self.files, self._wanted, self.piece, self.probe, prof.streams,
                                     whole_stream=prof.lookahead is None)
             if self.device.type == "cpu" and not self._dist and not opts.views:
-                self._scatter = Scatter([pair for ts, rs in zip(self._wanted, self._reads)
-                                         for pair in covering(ts, rs)])
+                pairs = zip(self._wanted, self._reads, strict=True)
+                self._scatter = Scatter([pair for ts, rs in pairs for pair in covering(ts, rs)])
             self._tails = self._keep_tails()
         except BaseException:
             self.close()
@@ -138,7 +140,8 @@ class SafetensorsStream:
 
         try:
             entries, weight_map = list_files(self.source, spec, self.options.cache_validate, early)
-            files = all_results([started.pop(e.path, None) or store.submit(header, e) for e in entries])
+            files = all_results([started.pop(e.path) if e.path in started
+                                 else store.submit(header, e) for e in entries])
         finally:
             _drop_unused(started.values(), budget)
         _check_weight_map(files, weight_map, self.source)
@@ -156,7 +159,7 @@ class SafetensorsStream:
                 raise MismatchError(f"tensors not in the checkpoint: {missing[:10]}"
                                     f"{' ...' if len(missing) > 10 else ''}")
             selected = [[t for t in f.header.tensors if t.name in wanted] for f in self.files]
-        for f, tensors in zip(self.files, selected):
+        for f, tensors in zip(self.files, selected, strict=True):
             for t in tensors:
                 torch_dtype(t.dtype, f"{self.source.url_of(f.entry)}: tensor {t.name!r}")
         return selected
@@ -167,7 +170,8 @@ class SafetensorsStream:
         Alone, those reads are filled now; distributed, rank 0 heads them and forwards
         these bytes (returned by read index, still reserved)."""
         tails: dict[int, bytes] = {}
-        for f, reads in zip(self.files, self._reads):
+        data: bytes | bytearray
+        for f, reads in zip(self.files, self._reads, strict=True):
             for r, data in tail_slices(f, reads, self.source, self.budget):
                 if self._dist:
                     tails[r.index] = data
@@ -222,7 +226,7 @@ class SafetensorsStream:
         try:
             waiter = self._feed()
             count = nbytes = 0
-            for fi, (f, tensors) in enumerate(zip(self.files, self._wanted)):
+            for fi, (f, tensors) in enumerate(zip(self.files, self._wanted, strict=True)):
                 waiter.at_file(fi)
                 reads, ri = self._reads[fi], 0
                 for t in tensors:
@@ -350,8 +354,8 @@ def _check_weight_map(files: Sequence[StreamFile], weight_map: dict[str, str] | 
                                 "which does not contain it")
 
 
-def stream_safetensors(url_or_dir_or_list: str | Sequence[str], options: StreamOptions | None = None,
-                       **kwargs: Any) -> SafetensorsStream:
+def stream_safetensors(url_or_dir_or_list: str | Sequence[str],
+                       options: StreamOptions | None = None, **kwargs: Any) -> SafetensorsStream:
     """Yield ``(name, tensor)`` for every tensor of a safetensors model, streaming.
 
     ``url_or_dir_or_list``: one ``.safetensors`` file, a directory/prefix (with a

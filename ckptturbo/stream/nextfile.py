@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from ..prefetch import MemoryBudget
 from ..runtime import default_runtime
@@ -34,7 +35,8 @@ from .source import ByteSource, open_store
 
 log = logging.getLogger(__name__)
 PARK_SECONDS = 2.0  # how long a next shard waits to be opened once its parent has closed
-SHARD = re.compile(r"^(?P<head>.*-)(?P<index>\d+)(?P<of>-of-)(?P<count>\d+)(?P<tail>\.safetensors)$")
+SHARD = re.compile(
+    r"^(?P<head>.*-)(?P<index>\d+)(?P<of>-of-)(?P<count>\d+)(?P<tail>\.safetensors)$")
 
 
 
@@ -129,8 +131,9 @@ class NextFile:
         finally:
             self._opener.shutdown(wait=False)
         self.order = self.order_of(file.header)
-        self.ahead = start_read_ahead(file, self.order, self.source, self.budget, settings.chunk_size,
-                                      settings.streams, shard_count(self.url), pinned=settings.pinned)
+        self.ahead = start_read_ahead(file, self.order, self.source, self.budget,
+                                      settings.chunk_size, settings.streams,
+                                      shard_count(self.url), pinned=settings.pinned)
         self.file = file
         self._pump()  # its reads may all be out already: open the next shard now
 
@@ -166,7 +169,8 @@ class NextFile:
 
     def _expire(self) -> None:
         if _unregister(self):
-            log.debug("%s: read ahead but not opened within %.1f s: dropped", self.url, PARK_SECONDS)
+            log.debug("%s: read ahead but not opened within %.1f s: dropped", self.url,
+                      PARK_SECONDS)
             self.close()
 
     def adopt(self) -> NextFile | None:
@@ -224,7 +228,8 @@ def start_next(url: str, settings: HandleSettings, storage_options: dict[str, An
     return found
 
 
-def claim(url: str, settings: HandleSettings, storage_options: dict[str, Any] | None) -> NextFile | None:
+def claim(url: str, settings: HandleSettings,
+          storage_options: dict[str, Any] | None) -> NextFile | None:
     """The file opened ahead for ``url`` with these settings, if any (one opened with
     others is dropped: a handle reads with its own)."""
     found = default_runtime().claim(url)

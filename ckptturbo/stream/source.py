@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from itertools import pairwise
+from typing import Any
 
 import fsspec
 import torch
@@ -102,16 +104,17 @@ class ByteSource:
         return cache_key(kind, self.endpoint, entry.path, entry.size, entry.mtime, *rest)
 
     def get(self, entry: FileEntry, start: int, end: int, *, cacheable: bool = True) -> bytes:
-        key = self._key("range", entry, start, end) if cacheable and self.cache else None
-        if key is not None:
-            data = self.cache.get(key)
+        cache = self.cache if cacheable and self.cache else None
+        key = self._key("range", entry, start, end) if cache is not None else None
+        if cache is not None and key is not None:
+            data = cache.get(key)
             if data is not None and len(data) == end - start:
                 self._count(cache_hits=1, cache_bytes=len(data))
                 return data
         data = self.store.get(entry.path, start, end)
         self._count(requests=1, bytes_fetched=len(data))
-        if key is not None and len(data) == end - start:
-            self.cache.put(key, data)
+        if cache is not None and key is not None and len(data) == end - start:
+            cache.put(key, data)
         return data
 
     def remember_range(self, entry: FileEntry, start: int, data: bytes) -> None:
@@ -131,7 +134,7 @@ class ByteSource:
         if self.cache is not None:
             return self.fetch(read)
         out = torch.empty(read.size, dtype=torch.uint8)
-        self.store.get_into(self.entries[read.path].path, memoryview(out.numpy()), read.start)
+        self.store.get_into(self.entries[read.path].path, out.numpy().data, read.start)
         # an object store's read goes out as ranged GETs of read_part_size (see Store)
         gets = 1 if self.store.is_local else -(-read.size // self.store.read_part_size)
         self._count(requests=max(1, gets), bytes_fetched=read.size)
@@ -146,7 +149,7 @@ class ByteSource:
         entry = self.entries[read.path]
         part = -(-read.size // count)
         cuts = [*range(read.start, read.end, part), read.end]
-        rest = [self._helpers.submit(self.get, entry, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        rest = [self._helpers.submit(self.get, entry, lo, hi) for lo, hi in pairwise(cuts[1:])]
         first: Future[bytes] = Future()  # read on this thread meanwhile
         try:
             first.set_result(self.get(entry, cuts[0], cuts[1]))
@@ -206,7 +209,8 @@ def list_files(source: ByteSource, spec: str | Sequence[str], validate: bool = F
     else:
         entries, weight_map = _list_urls(source.store, list(spec)), None
     if source.cache is not None:
-        source.cache.put_json(key, {"files": [asdict(e) for e in entries], "weight_map": weight_map})
+        source.cache.put_json(key, {"files": [asdict(e) for e in entries],
+                                    "weight_map": weight_map})
     source.register(entries)
     return entries, weight_map
 

@@ -19,8 +19,9 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ class S3Server:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start(data_dir: str | None = None, timeout: float = 30.0, address: str = "127.0.0.1") -> S3Server:
+def start(data_dir: str | None = None, timeout: float = 30.0,
+          address: str = "127.0.0.1") -> S3Server:
     """Start `weed mini` on free ports of ``address`` (loopback; a test's virtual network
     gives the address of its bridge) and wait until its S3 port answers."""
     data_dir = data_dir or tempfile.mkdtemp(prefix="ckptturbo-s3-")
@@ -90,10 +92,11 @@ def start(data_dir: str | None = None, timeout: float = 30.0, address: str = "12
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
              "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
              "admin.port.grpc"]
-    ports = dict(zip(names, _free_ports(len(names), address)))
+    ports = dict(zip(names, _free_ports(len(names), address), strict=True))
     # -logtostderr: glog's files would otherwise land in the system's temp dir, outliving us
     args = [_weed_binary(), "-logtostderr", "mini", f"-dir={data_dir}", f"-ip={address}",
-            f"-ip.bind={address}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false",
+            f"-ip.bind={address}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+            "-webdav=false",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=1024",
             *(f"-{k}={v}" for k, v in ports.items())]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,

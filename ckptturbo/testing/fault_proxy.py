@@ -210,7 +210,7 @@ class FaultProxy:
         """A copy of s3fs/fsspec ``options`` with the endpoint replaced by this proxy."""
         return with_endpoint(options, self.endpoint)
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         if not self._started:
             self._started = True
             self._acceptor.start()
@@ -229,7 +229,7 @@ class FaultProxy:
         for conn in conns:
             conn.join(timeout=10)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -355,7 +355,7 @@ class FaultProxy:
                     self._port_changed.notify_all()
             try:
                 client, _ = listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             client.setblocking(True)
             try:
