@@ -26,7 +26,6 @@ from .report import Report
 from .states import MiB, digests, mismatches, tensor_nbytes, transformer_state, zero_, zeros_like
 
 
-
 def _pinned_copy(on_device: dict[str, Any], device: torch.device, reps: int) -> float:
     """Best seconds of a bare pinned host-to-device ``copy_`` into the same tensors."""
     pinned = {k: torch.empty_like(v, device="cpu").pin_memory() for k, v in on_device.items()

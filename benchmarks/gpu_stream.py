@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -16,7 +16,7 @@ import argparse
 import pickle
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ckptturbo.plan import PlanItem, ReadNeed, plan_reads, plan_stats, plan_writes
 

@@ -43,8 +43,9 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from ckptturbo.store import Store
 from ckptturbo.testing import embedded_s3

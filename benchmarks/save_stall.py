@@ -24,7 +24,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp

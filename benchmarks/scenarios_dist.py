@@ -13,7 +13,11 @@ from .measure import barrier_time, gather, now, rank_options
 from .report import Report
 from .states import MiB, digests, mismatches, one_big_state, tensor_nbytes, transformer_state, zero_
 from .storage import (
-    Backend, distcp_bytes_per_rank, environment, reset_fsspec_caches, storage_ceiling,
+    Backend,
+    distcp_bytes_per_rank,
+    environment,
+    reset_fsspec_caches,
+    storage_ceiling,
 )
 
 log = logging.getLogger("benchmarks")

@@ -219,9 +219,10 @@ def _mutate(sd: dict[str, Any]) -> None:
 def _stall_variant(rank: int, world: int, variant: str, size: int, workdir: str | None,
                    pool_bytes: int | None) -> dict[str, Any]:
     """One variant in a fresh process: two saves (first, then steady state after a step)."""
-    import ckptturbo as ct
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    import ckptturbo as ct
 
     sd = transformer_state(size)
     root = tempfile.mkdtemp(prefix="ckptturbo-bench-stall-", dir=workdir)

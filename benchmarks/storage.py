@@ -149,8 +149,9 @@ def storage_ceiling(be: Backend, total: int = 256 * MiB, object_size: int = 16 *
                     workers: int = 8) -> dict[str, float]:
     """Raw parallel PUT and GET throughput of the storage with plain s3fs (bytes/s): what any
     checkpointer can at best get out of this server on this machine, right now."""
-    import s3fs
     from concurrent.futures import ThreadPoolExecutor
+
+    import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **be.storage_options)
     blob = os.urandom(object_size)

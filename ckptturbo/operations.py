@@ -25,6 +25,7 @@ from .failures import ckptturbo_errors
 from .planner import TurboLoadPlanner, on_group
 from .reader import TurboReader
 from .recovery import recover
+from .results import SaveSummary
 from .runtime import Runtime, single_process, wait_for_saves
 from .staging import SaveHandle
 from .tiered_save import save as tiered_save
@@ -69,7 +70,8 @@ def save(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
     if persist:
         raise CkptTurboError(f"saving {url}: persist=True needs tiers= (without tiers every "
                              "save goes to the durable URL)")
-    return run_save(session, state_dict, url, url, SaveHandle(url), process_group=process_group,
+    handle = SaveHandle[SaveSummary](url)
+    return run_save(session, state_dict, url, url, handle, process_group=process_group,
                     collective=collective, storage_options=storage_options, planner=planner,
                     wait_previous=wait_previous, writer_options=writer_options)
 

@@ -16,7 +16,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -258,7 +258,11 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class SaveHandle:
+# What ``durable`` carries: a SaveSummary, or for a tiered save that is not persisted None
+Durable = TypeVar("Durable", SaveSummary, "SaveSummary | None")
+
+
+class SaveHandle(Generic[Durable]):
     """Two futures of one save: ``staged`` (state copied; training may go on) and ``durable``.
 
     ``durable`` carries the SaveSummary once the manifest is committed, or the exception
@@ -268,11 +272,11 @@ class SaveHandle:
     def __init__(self, url: str) -> None:
         self.url = url
         self.staged: Future[None] = Future()
-        self.durable: Future[SaveSummary] = Future()
+        self.durable: Future[Durable] = Future()
         self.staged.set_running_or_notify_cancel()
         self.durable.set_running_or_notify_cancel()
 
-    def wait(self, timeout: float | None = None) -> SaveSummary:
+    def wait(self, timeout: float | None = None) -> Durable:
         return self.durable.result(timeout)
 
     result = wait

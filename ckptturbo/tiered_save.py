@@ -52,7 +52,7 @@ from .urls import split_checkpoint
 log = logging.getLogger(__name__)
 
 
-class TieredSaveHandle(SaveHandle):
+class TieredSaveHandle(SaveHandle["SaveSummary | None"]):
     """The futures of a tiered save, one per tier: ``staged`` (copied; training may go on),
     ``local`` (committed in this node's host memory; a SaveSummary), ``replicated`` (each
     node's chunks copied into other nodes' memory; a Replicated), ``durable`` (the

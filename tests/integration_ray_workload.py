@@ -67,7 +67,8 @@ def train_fn(config: dict) -> None:
     tiers = ct.Tiers(**config["tiers"]) if config.get("tiers") else None
     url = rt.load(state, storage_options=options, tiers=tiers)
     if url is not None:
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         start = int(state["progress"]["step"])
         with open(os.path.join(out, f"restored-rank{rank}.json"), "w") as f:
             json.dump({"url": url, "step": start}, f)

@@ -5,14 +5,24 @@ import os
 import random
 import time
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from ckptturbo.broadcast import ChainBroadcaster
-from ckptturbo.broadcast_schedule import (Transfer, alloc_step, last_step, needs_communication,
-                                          npieces, own_parts, parts_of, plan_schedule, schedule)
+from ckptturbo.broadcast_schedule import (
+    Transfer,
+    alloc_step,
+    last_step,
+    needs_communication,
+    npieces,
+    own_parts,
+    parts_of,
+    plan_schedule,
+    schedule,
+)
 from ckptturbo.errors import CommunicationError, IntegrityError, PlanError
 from ckptturbo.testing.launcher import RankFailure, run_distributed
 

@@ -6,11 +6,11 @@ import os
 import fsspec
 import torch
 from safetensors.torch import save_file
+from test_stream import CountingS3, assert_same, counting, sharded_model, upload_dir
 
-from ckptturbo.stream.cache import DiskCache, cache_key
 from ckptturbo.store import Store
 from ckptturbo.stream import stream_safetensors
-from test_stream import CountingS3, assert_same, counting, sharded_model, upload_dir
+from ckptturbo.stream.cache import DiskCache, cache_key
 
 fsspec.register_implementation("counts3", CountingS3, clobber=True)
 

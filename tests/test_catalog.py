@@ -364,7 +364,8 @@ def test_cli_ls_marks_the_unreadable_checkpoint_and_lists_the_rest(tmp_path, cap
     run = tmp_path / "run"
     for name in ("a", "b"):
         ct.save(tensors(10), str(run / name)).wait(timeout=60)
-    (run / "a" / "manifest.json").write_bytes(b'{"format": "ckptturbo-manifest", "version": 2, "ite')
+    truncated = b'{"format": "ckptturbo-manifest", "version": 2, "ite'
+    (run / "a" / "manifest.json").write_bytes(truncated)
     assert cli.main(["ls", str(run)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[1][:2] == ["a", "UNREADABLE"] and rows[2][0] == "b"
@@ -467,7 +468,8 @@ def test_run_mixing_shared_and_self_contained_checkpoints(tmp_path, capsys):
     assert set(_objects(str(run / "own"))) == own_chunks
     assert load_equal(str(run / "own"), b)
     assert cli.main(["inspect", str(run / "own")]) == 0
-    assert cli.main(["export", str(run / "own"), str(tmp_path / "st"), "--format", "safetensors"]) == 0
+    export = ["export", str(run / "own"), str(tmp_path / "st"), "--format", "safetensors"]
+    assert cli.main(export) == 0
     capsys.readouterr()
 
 

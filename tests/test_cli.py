@@ -87,7 +87,8 @@ def test_inspect_shows_shapes_dtypes_and_reuse(run, capsys):
     assert 0 < info["bytes_written"] < 1 << 20
     first = json.loads(cli(capsys, "inspect", f"{run}/step-1", "--json")[1])
     assert first["bytes_reused"] == 0
-    assert info["dedup_ratio"] == pytest.approx(info["total_bytes"] / info["unique_bytes"], rel=1e-3)
+    dedup = info["total_bytes"] / info["unique_bytes"]
+    assert info["dedup_ratio"] == pytest.approx(dedup, rel=1e-3)
 
 
 def test_verify_passes_then_reports_corrupt_chunk(run, capsys):
@@ -299,7 +300,9 @@ def test_bench_calibrate_saves_best_settings(tmp_path, capsys, monkeypatch):
 
 
 def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("1MiB") == 1 << 20 and parse_size("42") == 42
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("1MiB") == 1 << 20
+    assert parse_size("42") == 42
 
 
 def test_closed_pipe_exits_quietly(tmp_path):

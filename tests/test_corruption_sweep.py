@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.config import Config
 from botocore.exceptions import (
-    ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError,
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    ReadTimeoutError,
     ResponseStreamingError,
 )
 from botocore.session import get_session
@@ -72,7 +75,8 @@ def test_passes_requests_through_and_counts_bytes(s3_server, objects):
         assert ranged["Body"].read() == BLOB[100:200]
         assert c.head_object(Bucket=bucket, Key=objects["small"])["ContentLength"] == 1000
         listed = c.list_objects_v2(Bucket=bucket, Prefix=objects["blob"])
-        assert {o["Key"] for o in listed["Contents"]} == {objects["blob"], objects["blob"] + ".copy"}
+        keys = {o["Key"] for o in listed["Contents"]}
+        assert keys == {objects["blob"], objects["blob"] + ".copy"}
         c.delete_object(Bucket=bucket, Key=objects["blob"] + ".copy")
         stats = settled_stats(proxy)
     assert stats.requests == 6 and stats.connections >= 1

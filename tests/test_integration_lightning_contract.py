@@ -14,11 +14,12 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
+
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
 from ckptturbo.integrations.lightning import TurboCheckpointIO, load_from_checkpoint  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
 from tests.integration_scripts.lightning_ddp import Tiny, data  # noqa: E402
 
 STEPS_PER_EPOCH = 8  # data(): 64 samples, batch size 8

@@ -50,10 +50,9 @@ def _arrow_fs(server):
 
 def _fit(server, prefix: str, name: str, out: str, kill_at: int | None = None,
          tiers: dict | None = None):
+    from integration_ray_workload import train_fn
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from integration_ray_workload import train_fn
 
     os.makedirs(out, exist_ok=True)
     trainer = TorchTrainer(

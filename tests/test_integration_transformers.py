@@ -14,14 +14,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import ckptturbo as ct  # noqa: E402
 from ckptturbo import catalog  # noqa: E402
+from ckptturbo.integrations.transformers import TurboCheckpointCallback, TurboTrainer  # noqa: E402
 from ckptturbo.paths import OWN_STORE  # noqa: E402
 from ckptturbo.runs import Location  # noqa: E402
-from ckptturbo.integrations.transformers import TurboCheckpointCallback, TurboTrainer  # noqa: E402
 from tests.training_state import assert_same_model_and_optimizer  # noqa: E402
 
 # eval score by global step (lower is better): the best checkpoint is step 4

@@ -6,13 +6,16 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from test_dcp_distributed import _model_and_optim
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import ckptturbo as ct
 from ckptturbo.testing.launcher import run_distributed
 from ckptturbo.tree import flatten
-from test_dcp_distributed import _model_and_optim
 
 
 def _assert_same(a, b, path: str = "") -> None:

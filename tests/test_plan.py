@@ -15,8 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptturbo.errors import PlanError
-from ckptturbo.plan import (ByteRange, ChainAssignment, PlanItem, ReadNeed, plan_reads,
-                            plan_stats, plan_writes)
+from ckptturbo.plan import (
+    ByteRange,
+    ChainAssignment,
+    PlanItem,
+    ReadNeed,
+    plan_reads,
+    plan_stats,
+    plan_writes,
+)
 
 MiB = 1 << 20
 SETTINGS = settings(max_examples=200, deadline=None)

@@ -22,8 +22,12 @@ from ckptturbo.errors import CheckpointNotFound, CkptTurboError, FormatError, Mi
 from ckptturbo.store import Store
 from ckptturbo.stream import safe_open
 from ckptturbo.stream.format import DTYPE_BITS
-from ckptturbo.stream.safe_open import (HandleClosedError, SafeOpenFormatError, SliceIndexError,
-                                        TensorNotFoundError)
+from ckptturbo.stream.safe_open import (
+    HandleClosedError,
+    SafeOpenFormatError,
+    SliceIndexError,
+    TensorNotFoundError,
+)
 
 
 @pytest.fixture(params=["local", "s3"])

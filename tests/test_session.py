@@ -59,7 +59,8 @@ def _loads_bit_exact(url: str, seed: int, options: dict | None) -> None:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("store", ["local", "s3"])
-def test_a_process_ending_right_after_staged_still_commits_its_save(store, ranks, tmp_path, request):
+def test_a_process_ending_right_after_staged_still_commits_its_save(store, ranks, tmp_path,
+                                                                    request):
     if store == "local":
         run, options = str(tmp_path / "run"), None
     else:
@@ -122,7 +123,8 @@ def test_deleting_on_local_disk_leaves_no_empty_checkpoint_directory(tmp_path):
     url = tmp_path / "run" / "epoch=0.ckpt"
     ct.save({"w": torch.ones(10)}, url).staged.result(timeout=60)
     ct.delete(url)
-    assert not url.exists() and sorted(p.name for p in (tmp_path / "run").iterdir()) == [".ckptturbo"]
+    assert not url.exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".ckptturbo"]
 
 
 def _ckptturbo_threads(before: set[threading.Thread]) -> list[str]:

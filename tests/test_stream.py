@@ -21,14 +21,13 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ckptturbo.errors import CheckpointNotFound, FormatError, MismatchError
-from ckptturbo.stream.calibrate import calibrate
-from ckptturbo.stream.profiles import PROFILES, load_saved
-from ckptturbo.stream.format import header_length, parse_header
 from ckptturbo.runtime import default_runtime
 from ckptturbo.store import Store
 from ckptturbo.stream import nextfile, safe_open, stream_safetensors
-from ckptturbo.stream.format import TensorInfo
+from ckptturbo.stream.calibrate import calibrate
+from ckptturbo.stream.format import TensorInfo, header_length, parse_header
 from ckptturbo.stream.nextfile import next_shard
+from ckptturbo.stream.profiles import PROFILES, load_saved
 from ckptturbo.stream.readahead import grid_plan, peak_held, plan_reads
 from ckptturbo.testing.launcher import run_distributed
 from tests.waiting import wait_until
@@ -87,7 +86,8 @@ def all_dtypes() -> dict[str, torch.Tensor]:
         if hasattr(torch, name):
             t[name] = torch.randn(40, generator=g).to(getattr(torch, name))
     for name in ("uint16", "uint32", "uint64"):
-        t[name] = torch.randint(0, 999, (5,), dtype=torch.int64, generator=g).to(getattr(torch, name))
+        values = torch.randint(0, 999, (5,), dtype=torch.int64, generator=g)
+        t[name] = values.to(getattr(torch, name))
     return t
 
 
@@ -110,7 +110,8 @@ def sharded_model(directory: str, nshards: int = 3, per_shard: int = 3, size: in
     everything, weight_map = {}, {}
     for s in range(nshards):
         name = f"model-{s + 1:05d}-of-{nshards:05d}.safetensors"
-        shard = {f"layer{s}.w{i}": torch.randn(size // 4 + 1000 * i, generator=g) for i in range(per_shard)}
+        shard = {f"layer{s}.w{i}": torch.randn(size // 4 + 1000 * i, generator=g)
+                 for i in range(per_shard)}
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
         everything.update(shard)
         weight_map.update(dict.fromkeys(shard, name))
@@ -148,7 +149,7 @@ def test_yielded_tensors_are_fresh_and_own_their_memory(tmp_path):
     want = {f"t{i}": torch.full((1000,), float(i)) for i in range(20)}
     save_file(want, str(tmp_path / "m.safetensors"))
     got = dict(stream_safetensors(str(tmp_path / "m.safetensors"), chunk_size=64 << 10))
-    for name, t in got.items():
+    for t in got.values():
         assert t.untyped_storage().nbytes() == t.nbytes  # not a view of a shared range buffer
         t.add_(100)  # writable, and writing one must not change another
     assert all(torch.equal(got[n], want[n] + 100) for n in want)
@@ -290,7 +291,8 @@ def test_first_reads_ramp_up_then_join_the_grid(tmp_path):
     stream = stream_safetensors(str(tmp_path), chunk_size=8 * MiB, streams=2)
     first, second = stream._reads
     sizes = [r.size for r in first]
-    assert sizes[1:5] == [RAMP_START, RAMP_START, 2 * RAMP_START, 2 * RAMP_START]  # after the header GET
+    # after the header GET
+    assert sizes[1:5] == [RAMP_START, RAMP_START, 2 * RAMP_START, 2 * RAMP_START]
     assert max(sizes) == 8 * MiB
     assert second[1].size == 8 * MiB  # a later file: the header GET, then the grid at once
     assert [r.end for r in first[:-1]] == [r.start for r in first[1:]]
@@ -466,7 +468,8 @@ def _valid_blob() -> bytes:
 
 _JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats()
                             | st.text(max_size=5),
-                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                            lambda c: (st.lists(c, max_size=3)
+                                       | st.dictionaries(st.text(max_size=4), c, max_size=3)),
                             max_leaves=8)
 
 
@@ -518,7 +521,7 @@ def test_parser_rejects_specific_faults():
         "negative": {"x": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
         "metadata": {**ok, "__metadata__": {"a": 1}},
     }
-    for what, doc in faults.items():
+    for doc in faults.values():
         with pytest.raises(FormatError):
             _parse_all(blob_of(doc, 8))
     dup = b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "x": {}}'
@@ -618,7 +621,8 @@ def test_safe_open_read_ahead_plans_fit_the_budget_at_every_call():
 
     # the offset grid, in the order of the calls: ranges of 4 MiB, each held while needed
     plan = plan_reads(tensors(range(7, -1, -1)), "f", 4 * MiB, 1, 4 * MiB)
-    assert [(r.start, r.end) for r in plan[0][1]] == [(4 * MiB, 8 * MiB)] and peak_held(plan) == 4 * MiB
+    assert [(r.start, r.end) for r in plan[0][1]] == [(4 * MiB, 8 * MiB)]
+    assert peak_held(plan) == 4 * MiB
     # interleaved calls would hold both ranges at once: ranges that follow the calls instead
     interleaved = tensors([0, 4, 1, 5, 2, 6, 3, 7])
     assert peak_held(grid_plan(interleaved, "f", 4 * MiB, 1, 8 * MiB)) == 8 * MiB

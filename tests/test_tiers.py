@@ -390,9 +390,9 @@ def test_persists_queue_within_the_memory_budget_and_a_save_over_it_waits(tmp_pa
 
 def test_every_tier_is_a_chunk_store(tmp_path, s3_server):
     from ckptturbo.chunk_store import ChunkStore
+    from ckptturbo.chunks import chunk_id
     from ckptturbo.errors import IntegrityError
     from ckptturbo.persist import copy_chunk
-    from ckptturbo.chunks import chunk_id
     from ckptturbo.store import Store
 
     memory = Store(str(tmp_path / "mem"))

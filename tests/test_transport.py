@@ -9,7 +9,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptturbo as ct
-from ckptturbo.groups import host_transport_group, moves_cuda_tensors, moves_host_buffers, transport_kind
+from ckptturbo.groups import (
+    host_transport_group,
+    moves_cuda_tensors,
+    moves_host_buffers,
+    transport_kind,
+)
 from ckptturbo.reader import verify_mode
 from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed

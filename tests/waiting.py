@@ -7,7 +7,7 @@ a sleep meant to let something happen fails for no reason when it takes longer.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 30.0,

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from ckptturbo.testing.launcher import run_distributed
-from tests.test_broadcast import (check_four_rank_results, check_two_rank_results, four_rank_job,
-                                  two_rank_job)
+from tests.test_broadcast import (
+    check_four_rank_results,
+    check_two_rank_results,
+    four_rank_job,
+    two_rank_job,
+)
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
