@@ -190,12 +190,12 @@ def grouped_plan(plan: Any, digest: str, sender: bool) -> Any:
 
 
 def on_group(planner: Any, group: Any) -> Any:
-    """The planner a ``ct.save`` (or, given one, ``ct.load``) on ``group`` runs: ckptturbo's
-    own save planner by default, and a planner of ckptturbo's without a group bound to it
-    (a copy: the caller's stays as it is). Without a group (one process alone) every
+    """The planner a ``ct.save`` or ``ct.load`` on ``group`` runs: the caller's, with a planner
+    of ckptturbo's that has no group bound to ``group`` (a copy: the caller's stays as it
+    is); None (DCP's default planner) stays None. Without a group (one process alone) every
     planner runs as given."""
     if planner is None:
-        return TurboSavePlanner(group)
+        return None
     ours = isinstance(planner, (TurboSavePlanner, TurboLoadPlanner))
     if group is not None and ours and planner.process_group is None:
         planner = copy.copy(planner)

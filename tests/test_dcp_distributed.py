@@ -2,7 +2,6 @@
 resharding, balanced dedup, and the bytes storage actually serves."""
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -252,10 +251,8 @@ def test_corrupted_chunk_makes_every_rank_raise(tmp_path):
                for o in outcomes), outcomes
 
 
-class _DiesOnFirstTensor(ct.TurboLoadPlanner):
-    """ct.load's own planner, whose rank crashes mid-load (a real process exit, not a
-    simulation); every rank must plan with the same kind of planner (one of them has a
-    collective of its own)."""
+class _DiesOnFirstTensor(torch.distributed.checkpoint.DefaultLoadPlanner):
+    """A planner whose rank crashes mid-load (a real process exit, not a simulation)."""
 
     def commit_tensor(self, read_item, tensor):
         import os
@@ -307,9 +304,8 @@ def test_grouped_load_from_s3_reads_each_chunk_once(s3_server):
     assert sum(fetched) == unique, (fetched, unique)
 
 
-class _DiesWhilePlanning(ct.TurboSavePlanner):
-    """ct.save's own planner, whose rank exits in the middle of a save (a real process
-    exit)."""
+class _DiesWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
+    """A planner whose rank exits in the middle of a save (a real process exit)."""
 
     def create_local_plan(self):
         import os
@@ -349,9 +345,8 @@ def test_rank_dying_during_a_save_fails_the_others_and_commits_nothing(tmp_path)
     run_distributed(load_rank, 2, first, timeout=240)  # and step-1 loads as it was
 
 
-class _StallsWhilePlanning(ct.TurboSavePlanner):
-    """ct.save's own planner, whose rank stays alive but silent for longer than the
-    collective timeout."""
+class _StallsWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
+    """A planner whose rank stays alive but silent for longer than the collective timeout."""
 
     def create_local_plan(self):
         import time

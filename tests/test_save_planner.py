@@ -26,13 +26,14 @@ from ckptturbo.testing.launcher import run_distributed
 
 
 def _ct_save(rank: int, world: int, url: str) -> None:
-    ct.save(build_state(world, zeros=False), url, chunk_size=CHUNK,
-            pack_threshold=64 << 10).durable.result(timeout=120)
+    ct.save(build_state(world, zeros=False), url, chunk_size=CHUNK, pack_threshold=64 << 10,
+            planner=ct.TurboSavePlanner()).durable.result(timeout=120)
 
 
 def test_ct_save_plans_with_ours_and_loads_resharded_with_dcps(tmp_path):
-    """ct.save's default planner is TurboSavePlanner; dcp.load with DCP's default load
-    planner reads the checkpoint bit-exact at 3, 2 and 1 ranks (FSDP2, HSDP, DDP items)."""
+    """ct.save with TurboSavePlanner (ct.save binds its group to it); dcp.load with DCP's
+    default load planner reads the checkpoint bit-exact at 3, 2 and 1 ranks (FSDP2, HSDP,
+    DDP items)."""
     url = str(tmp_path / "run" / "step-1")
     run_distributed(_ct_save, 4, url, timeout=240)
     for world in (3, 2):
@@ -43,15 +44,15 @@ def test_ct_save_plans_with_ours_and_loads_resharded_with_dcps(tmp_path):
 
 
 def _ct_load(rank: int, world: int, url: str, broadcast: bool) -> None:
-    """ct.load with its default planner (ckptturbo's own), checked bit-exact."""
+    """ct.load with ckptturbo's own load planner (ct.load binds its group), bit-exact."""
     sd = build_state(world, zeros=True)
-    ct.load(sd, url, broadcast=broadcast)
+    ct.load(sd, url, broadcast=broadcast, planner=ct.TurboLoadPlanner())
     check_state(sd)
 
 
 def test_ct_load_plans_with_ours_checkpoint_of_dcps_planner(tmp_path):
-    """A checkpoint planned by DCP's planner (dcp.save + TurboWriter) loads through ct.load,
-    whose planner is ckptturbo's own, bit-exact, resharded, chained or not."""
+    """A checkpoint planned by DCP's planner (dcp.save + TurboWriter) loads through ct.load
+    with ckptturbo's own planner, bit-exact, resharded, chained or not."""
     url = str(tmp_path / "run" / "step-1")
     run_distributed(save_rank, 4, url, timeout=240)
     run_distributed(_ct_load, 3, url, True, timeout=240)
