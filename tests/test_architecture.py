@@ -186,3 +186,45 @@ def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
                         break
                 found.append(component)
     return found
+
+
+def report() -> str:
+    """The import graph in numbers: modules, modules per layer, upward imports, circles and
+    their members, modules over 600 lines. ``python -m tests.test_architecture [ROOT]``
+    prints it for this checkout or another one (an older commit's, to compare)."""
+    graph_now = graph()
+    faces = {m for m, p in modules().items() if p.name == "__init__.py"}
+    placed: dict[str, int] = {}
+    unplaced = []
+    for module in graph_now:
+        try:
+            placed[module] = layer_of(module)
+        except LookupError:
+            unplaced.append(module)
+    upward = sum(1 for m, ts in graph_now.items() for t, _ in ts
+                 if m in placed and t in placed and placed[t] > placed[m])
+    edges = {m: {t for t, _ in ts if t not in faces} for m, ts in graph_now.items()
+             if m not in faces}
+    circles = [sorted(c) for c in _strongly_connected(edges) if len(c) > 1]
+    long = [f"{m} ({n} lines)" for m, p in modules().items()
+            if (n := len(p.read_text().splitlines())) > 600]
+    lines = [f"modules: {len(graph_now)}",
+             *(f"  layer {name}: {sum(1 for v in placed.values() if v == i)}"
+               for i, (name, _) in enumerate(LAYERS)),
+             f"  in no layer: {len(unplaced)} {sorted(unplaced) if unplaced else ''}",
+             f"upward imports (between placed modules): {upward}",
+             f"circles: {len(circles)}",
+             *(f"  circle of {len(c)}: {', '.join(m.removeprefix('ckptturbo.') for m in c)}"
+               for c in circles),
+             f"modules over 600 lines: {long or 0}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        ROOT = Path(sys.argv[1]).resolve()
+        PACKAGES = {"ckptturbo": ROOT / "ckptturbo",
+                    "ckptturbo.integrations": ROOT / "integrations"}
+    print(report())
