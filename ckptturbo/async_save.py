@@ -24,7 +24,7 @@ from .planner import on_group
 from .results import SaveSummary
 from .runtime import Runtime, single_process
 from .staging import SaveHandle
-from .urls import url_key
+from .urls import parent_url, url_key
 from .writer import TurboWriter
 
 
@@ -32,7 +32,7 @@ def kept_writer(runtime: Runtime, url: str, storage_options: dict[str, Any] | No
                 options: dict[str, Any], collective: bool) -> TurboWriter:
     """One writer per run and settings, kept by the runtime so that its pool and plan
     cache are reused (``Runtime.kept``)."""
-    run = url_key(url).rsplit("/", 1)[0]
+    run = parent_url(url_key(url))
     key = (run, collective, repr(sorted((storage_options or {}).items())),
            repr(sorted(options.items())))
     return runtime.kept(key, lambda: TurboWriter(url, storage_options, snapshot=True,
