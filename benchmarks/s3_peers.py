@@ -62,7 +62,13 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
+def peer_environment(endpoint: str, options: dict[str, Any]) -> None:
+    """s3torchconnector's CRT client takes the endpoint and credentials from the environment."""
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": options["key"],
+                       "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_REGION": REGION})
+
+
+def writer(side: str, url: str, options: dict[str, Any]) -> Any:
     if side == "ckptturbo":
         import ckptturbo as ct
 
@@ -73,7 +79,7 @@ def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
     return S3StorageWriter(REGION, url, s3client_config=S3ClientConfig(force_path_style=True))
 
 
-def _reader(side: str, url: str, options: dict[str, Any]) -> Any:
+def reader(side: str, url: str, options: dict[str, Any]) -> Any:
     if side == "ckptturbo":
         import ckptturbo as ct
 
@@ -98,9 +104,7 @@ def _peers_rank(rank: int, world: int, endpoint: str, options: dict[str, Any], r
                 size: int, reps: int) -> dict[str, Any]:
     """One rank: warm-up save and load per side, then ``reps`` alternating repetitions."""
     quiet()
-    # s3torchconnector's CRT client takes the endpoint and credentials from the environment
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": options["key"],
-                       "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_REGION": REGION})
+    peer_environment(endpoint, options)
     sd = transformer_state(size)
     expected = digests(sd)
     samples: dict[str, dict[str, list]] = {s: {"save": [], "load": []} for s in SIDES}
@@ -110,9 +114,9 @@ def _peers_rank(rank: int, world: int, endpoint: str, options: dict[str, Any], r
         for side in order:
             url = f"{root}/{side}-{world}r-{rep + 1}"
             url = url + "/ckpt" if side == "ckptturbo" else url
-            saved = _timed(rank, lambda: dcp.save(sd, storage_writer=_writer(side, url, options)))
+            saved = _timed(rank, lambda: dcp.save(sd, storage_writer=writer(side, url, options)))
             zero_(sd)
-            loaded = _timed(rank, lambda: dcp.load(sd, storage_reader=_reader(side, url, options)))
+            loaded = _timed(rank, lambda: dcp.load(sd, storage_reader=reader(side, url, options)))
             correct &= not mismatches(sd, expected)
             if rep >= 0:
                 samples[side]["save"].append(saved)

@@ -144,7 +144,7 @@ def _recover_job(rank: int, world: int, run: str, opts: dict, memory: str, per_n
                 stats = gather((from_durable, from_peers))
                 if rep < 0:
                     continue
-                samples[side].append({"seconds": t1 - t0,
+                samples[side].append({"seconds": t1 - t0, "window": [t0, t1],
                                       "bytes_from_durable": sum(d for d, _ in stats),
                                       "bytes_from_peers": sum(p for _, p in stats)})
                 if rank == 0:

@@ -1,0 +1,349 @@
+"""Performance where users are: a cluster in miniature on this machine, every result as a
+ratio to its physical limit and to the peers, measured on the same topology in one run.
+
+    python -m benchmarks.run cluster [--size-mb 64] [--reps 5] [--nodes 4]
+                                     [--parts ddp,growth,recovery,stream] [--scale 0.0025]
+
+Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topology``):
+``--nodes`` nodes of 2 ranks, each a namespace whose link is shaped to the node's fabric
+rate with a share for the object store; SeaweedFS and the fault proxy (first-byte latency,
+per-connection cap) in a namespace of their own behind the store's link. Parts:
+
+ddp       8 ranks over 4 nodes hold the same state (DDP): save, then every rank loads the
+          whole state; ckptturbo vs DCP's FsspecWriter/Reader vs s3torchconnector's DCP
+          writer/reader, alternating, one unmeasured round first
+growth    ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes
+recovery  sharded state with memory tiers: node 1 lost, recovered from its peers' memory,
+          vs ckptturbo's load of the same checkpoint from the durable store
+stream    ct.stream_safetensors vs Run:ai Model Streamer, one process on node 0
+
+The vLLM weights phase is not part of it yet (see docs/benchmarks.md). Every sample's
+cores' utilisation is measured (/proc/stat, the whole machine); a result is valid only
+when every sample behind it was taken with the cores at most 70% busy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ckptturbo.testing import netns
+from ckptturbo.testing.launcher import run_distributed
+
+from . import cluster_jobs, cluster_topology as topo, stream_s3, tiers_recovery
+from .cluster_jobs import CT, DCP_FSSPEC, S3TORCH
+from .cores import BUSY_LIMIT, CoreSampler
+from .measure import now, rank_options, rank_setup
+from .report import Report
+from .s3_peers import peer_available
+from .states import MiB
+
+log = logging.getLogger("benchmarks")
+PARTS = ("ddp", "growth", "recovery", "stream")
+RUNAI = "Run:ai"
+
+
+class Results:
+    """Samples by (scenario, side), each with its time, window and cores' busy fraction,
+    and each scenario's physical limit."""
+
+    def __init__(self, cores: CoreSampler) -> None:
+        self.cores = cores
+        self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        self.limits: dict[str, topo.Limit] = {}
+
+    def add(self, scenario: str, side: str, sample: dict[str, Any]) -> None:
+        sample = dict(sample, busy=self.cores.busy(*sample["window"]))
+        self.samples.setdefault((scenario, side), []).append(sample)
+
+    def median(self, scenario: str, side: str) -> float | None:
+        got = self.samples.get((scenario, side))
+        return statistics.median(s["seconds"] for s in got) if got else None
+
+    def valid(self, scenario: str, side: str) -> bool:
+        return all(s["busy"] <= BUSY_LIMIT for s in self.samples.get((scenario, side), []))
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for (scenario, side), got in self.samples.items():
+            times = [s["seconds"] for s in got]
+            limit = self.limits[scenario]
+            median = statistics.median(times)
+            out.append({"scenario": scenario, "side": side, "median_s": median, "min_s": min(times),
+                        "max_s": max(times), "n": len(times), "limit_s": limit.seconds,
+                        "limit_link": limit.link, "over_limit": median / limit.seconds,
+                        "busy_max": max(s["busy"] for s in got),
+                        "valid": self.valid(scenario, side)})
+        return out
+
+
+# --------------------------------------------------------------------------- the parts
+def _options(cluster: topo.Cluster, world: int) -> dict[str, Any]:
+    return dict(rank_options(world), setup=cluster.ranks(world, rank_setup))
+
+
+def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> str:
+    """DDP save and whole-state load, every rank on its node, all sides alternating."""
+    world = len(cluster.nodes) * cluster.profile.ranks_per_node
+    sides = (CT, DCP_FSSPEC) + (() if peer_available() else (S3TORCH,))
+    store = cluster.store
+    out = run_distributed(cluster_jobs.ddp_rank, world, store.storage_options, store.url("ddp"),
+                          args.size_mb * MiB, args.reps, cluster.counters(), sides,
+                          **_options(cluster, world))[0]
+    unique, nodes = out["unique"], len(cluster.nodes)
+    save, load = f"DDP save {world}r/{nodes}n", f"whole-state load {world}r/{nodes}n"
+    res.limits[save] = topo.save_limit(cluster.profile, unique, nodes)
+    res.limits[load] = topo.whole_load_limit(cluster.profile, unique, nodes)
+    for s in out["samples"]:
+        res.add(save, s["side"], s["save"])
+        res.add(load, s["side"], s["load"])
+    ct_loads = [s["load"] for s in out["samples"] if s["side"] == CT]
+    ct_saves = [s["save"] for s in out["samples"] if s["side"] == CT]
+    report.compare(f"{load}: bytes from storage (ckptturbo's count)",
+                   max(s["bytes_from_storage"] for s in ct_loads), unique, "bytes",
+                   peer_name="unique bytes", target=1.001)
+    report.compare(f"{load}: bytes the store's link sent", max(s["link_bytes"] for s in ct_loads),
+                   unique, "bytes", peer_name="unique bytes",
+                   note="link counters: TCP/IP and HTTP headers included")
+    report.compare(f"{save}: bytes the store's link took in", max(s["link_bytes"] for s in ct_saves),
+                   unique, "bytes", peer_name="unique bytes",
+                   note="link counters: TCP/IP and HTTP headers included")
+    report.raw["ddp"] = {"unique": unique, "sides": sides}
+    report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
+    if peer_available():
+        report.note(f"s3torchconnector not measured: {peer_available()}")
+    return out["ct_url"]
+
+
+def part_growth(cluster: topo.Cluster, args: Any, res: Results, report: Report, url: str) -> None:
+    """ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes (one job each)."""
+    per = cluster.profile.ranks_per_node
+    store = cluster.store
+    saved = bool(url)
+    url = url or store.url("growth/ckpt")
+    exact = True
+    for nodes in range(1, len(cluster.nodes) + 1):
+        if nodes & (nodes - 1):
+            continue  # 1, 2, 4, ... nodes
+        world = nodes * per
+        out = run_distributed(cluster_jobs.grouped_rank, world, store.storage_options, url,
+                              args.size_mb * MiB, args.reps, cluster.counters(), not saved,
+                              **_options(cluster, world))[0]
+        saved = True
+        name = f"grouped load {world}r/{nodes}n"
+        res.limits[name] = topo.whole_load_limit(cluster.profile, out["unique"], nodes)
+        for s in out["samples"]:
+            res.add(name, CT, s)
+        exact &= out["exact"]
+    report.check("growth: every load equals the saved state on every rank", exact)
+
+
+def part_recovery(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """Tiered saves (tiers_recovery's job) on the cluster, then node 1 lost before each
+    repetition: recovery from its peers' memory vs the durable store's load."""
+    per, nodes = cluster.profile.ranks_per_node, len(cluster.nodes)
+    world = per * nodes
+    nbytes = args.size_mb * MiB // world
+    store = cluster.store
+    memory = tempfile.mkdtemp(prefix="ckptturbo-cluster-mem-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else cluster.scratch)
+    run, opts = store.url("tiers"), store.storage_options
+    try:
+        run_distributed(tiers_recovery._save_job, world, run, opts, memory, per, nbytes,
+                        **_options(cluster, world))
+        out = run_distributed(tiers_recovery._recover_job, world, run, opts, memory, per, nbytes,
+                              args.reps, **_options(cluster, world))[0]
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    unique = nbytes * world
+    rec, durable = f"recovery, node lost {world}r/{nodes}n", f"durable load {world}r/{nodes}n"
+    res.limits[rec] = topo.recovery_limit(cluster.profile, nbytes * per)
+    res.limits[durable] = topo.sharded_load_limit(cluster.profile, unique, nodes)
+    for s in out["samples"]["tiers"]:
+        res.add(rec, CT, s)
+    for s in out["samples"]["durable"]:
+        res.add(durable, CT, s)
+    from_durable = [s["bytes_from_durable"] for s in out["samples"]["tiers"]]
+    report.check("recovery: 0 bytes from the durable store", all(b == 0 for b in from_durable),
+                 str(from_durable))
+    report.check("recovery: recovered and durable loads bit-exact", out["correct"])
+    med = res.median
+    report.compare(f"{rec} vs {durable}", med(rec, CT), med(durable, CT), "s",
+                   peer_name="ckptturbo durable load", target=0.2)
+
+
+def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
+    from ckptturbo.store import Store
+
+    store = cluster.store
+    model = os.path.join(cluster.scratch, "model")
+    files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
+    url = store.url("model")
+    remote = Store(url, store.storage_options)
+    names = [*files, os.path.join(model, "model.safetensors.index.json")]
+
+    def upload(path: str) -> None:
+        with open(path, "rb") as f:
+            remote.put(remote.join(remote.root, os.path.basename(path)), f.read())
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(upload, names))
+    total = sum(os.path.getsize(f) for f in files)
+    spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
+            "local_files": files, "storage_options": store.storage_options,
+            "endpoint": store.endpoint, "direct_options": store.storage_options,
+            "streams": 16, "memory_limit": 1024 * MiB}
+    python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
+                                               sys.executable)
+    name = "stream safetensors 1 process/1n"
+    res.limits[name] = topo.stream_limit(cluster.profile, total)
+    workers = {m: stream_s3.Worker(m, spec, python) for m in (CT, RUNAI)}
+    try:
+        for rep in range(args.reps):
+            for method in ((CT, RUNAI) if rep % 2 == 0 else (RUNAI, CT)):
+                t0 = now()
+                result = workers[method].run()
+                t1 = now()
+                if "unavailable" in result:
+                    report.note(f"{method} not measured: {result['unavailable']}")
+                    continue
+                res.add(name, method, {"seconds": result["seconds"], "window": [t0, t1],
+                                       "bytes": result["bytes"]})
+                log.info("  %-10s rep %d: %.2f s", method, rep, result["seconds"])
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+# --------------------------------------------------------------------------- the report
+PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05}
+
+
+class ClusterReport(Report):
+    """The standard report, plus a table of every (scenario, side) against its physical
+    limit and a plot of time / limit, ckptturbo beside each peer."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__("cluster", params)
+        self.rows: list[dict[str, Any]] = []
+
+    def table(self) -> str:
+        head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
+                f"{'t/limit':>8} {'cores':>6}  valid  limit's link")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
+                         f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
+                         f"{r['over_limit']:>8.2f} {r['busy_max']:>6.0%}  "
+                         f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
+        return "\n".join(lines) + "\n\n" + super().table()
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        scenarios = list(dict.fromkeys(r["scenario"] for r in self.rows))
+        sides = list(dict.fromkeys(r["side"] for r in self.rows))
+        width = 0.8 / max(1, len(sides))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(scenarios)), 4.2))
+        colours = ["#2a7ab0", "#bbbbbb", "#e69f00", "#8fbc8f"]
+        for k, side in enumerate(sides):
+            label: str | None = side
+            for i, scenario in enumerate(scenarios):
+                row = next((r for r in self.rows if r["scenario"] == scenario and r["side"] == side),
+                           None)
+                if row is None:
+                    continue
+                bar = ax.bar(i + k * width, row["over_limit"], width, color=colours[k % 4],
+                             hatch="" if row["valid"] else "//", edgecolor="black", linewidth=0.4,
+                             label=label)
+                label = None
+                ax.annotate(f"{row['over_limit']:.2f}", (bar[0].get_x() + width / 2, row["over_limit"]),
+                            ha="center", va="bottom", fontsize=6)
+        ax.axhline(1.3, color="red", linestyle="--", linewidth=0.8, label="target 1.3x limit")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))])
+        ax.set_xticklabels(scenarios, fontsize=7, rotation=15, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("time / physical limit (log)")
+        ax.set_title("cluster in miniature (hatched: cores > 70% busy, not valid)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _compare_all(report: ClusterReport, res: Results) -> None:
+    """Every ckptturbo result against its limit, and against each peer on the same scenario."""
+    report.rows = res.rows()
+    for scenario, limit in res.limits.items():
+        ours = res.median(scenario, CT)
+        if ours is None:
+            continue
+        valid = "" if res.valid(scenario, CT) else "NOT VALID: cores > 70% busy"
+        report.compare(f"{scenario}: time / physical limit", ours, limit.seconds, "s",
+                       peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+        peers = {side: res.median(scenario, side) for (s, side) in res.samples
+                 if s == scenario and side != CT}
+        target = next((t for prefix, t in PEER_TARGETS.items() if scenario.startswith(prefix)), None)
+        best = min(peers, key=lambda side: peers[side]) if peers else None
+        for side, theirs in peers.items():
+            report.compare(f"{scenario} vs {side}", ours, theirs, "s", peer_name=side,
+                           target=target if side == best else None, note=valid)
+    growth = sorted((int(s.split()[2].split("r/")[0]), s) for s in res.limits
+                    if s.startswith("grouped load"))
+    if len(growth) >= 2:
+        (few, small), (many, big) = growth[0], growth[-1]
+        report.compare(f"grouped load growth {few} -> {many} ranks", res.median(big, CT),
+                       res.median(small, CT), "s", peer_name=f"ckptturbo {few} ranks", target=1.25)
+
+
+def scenario(args: Any) -> Report:
+    """``python -m benchmarks.run cluster``: build the cluster, run the parts, take it down."""
+    parts = [p for p in (args.parts or ",".join(PARTS)).split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    profile = topo.PROFILE.scaled(args.scale)
+    report = ClusterReport({"size_mb": args.size_mb, "reps": args.reps, "nodes": args.nodes,
+                            "parts": parts, "profile": profile.describe()})
+    why = netns.available()
+    if why:
+        report.check(f"the cluster could be built ({why})", False)
+        return report
+    with CoreSampler() as cores:
+        res = Results(cores)
+        cluster = topo.Cluster(args.nodes, profile, args.workdir)
+        try:
+            url = ""
+            if "ddp" in parts:
+                log.info("part ddp: save and whole-state load, %d nodes", args.nodes)
+                url = part_ddp(cluster, args, res, report)
+            if "growth" in parts:
+                log.info("part growth: whole-state load on 1, 2, 4 nodes")
+                part_growth(cluster, args, res, report, url)
+            if "recovery" in parts:
+                log.info("part recovery: node 1 lost")
+                part_recovery(cluster, args, res, report)
+            if "stream" in parts:
+                log.info("part stream: one process on node 0")
+                part_stream(cluster, args, res, report)
+        finally:
+            cluster.close()
+        report.check("nothing left behind (namespaces, links, store processes)",
+                     not cluster.leftovers(), str(cluster.leftovers()))
+    _compare_all(report, res)
+    report.raw["rows"] = report.rows
+    report.raw["limits"] = {k: v.to_json() for k, v in res.limits.items()}
+    report.raw["samples"] = [{"scenario": sc, "side": side, **s}
+                             for (sc, side), got in res.samples.items() for s in got]
+    report.note("vLLM weights phase: not measured on the cluster yet")
+    return report

@@ -1,0 +1,67 @@
+"""How busy the machine's cores were during a measurement, from /proc/stat.
+
+A benchmark of links is only valid while the cores are not what decides: a result taken
+with the cores more than :data:`BUSY_LIMIT` busy is marked as not valid. The sampler runs
+on a thread of the benchmark's main process and keeps the whole machine's counters every
+``interval``; a measurement taken in any process (rank processes included) asks for the
+busy fraction between its two clock readings (``time.perf_counter``, which on Linux is
+the system-wide monotonic clock, the same in every process).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+BUSY_LIMIT = 0.70
+
+
+def _busy_total() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores: idle and iowait are not busy."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])  # guest time is already in user time
+    return total - idle, total
+
+
+class CoreSampler:
+    """Samples /proc/stat every ``interval`` seconds while open; :meth:`busy` gives the
+    fraction of all cores' time spent busy between two perf_counter readings."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.interval = interval
+        self._times: list[float] = []
+        self._counts: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="core-sampler")
+
+    def _sample(self) -> None:
+        with self._lock:
+            self._counts.append(_busy_total())
+            self._times.append(time.perf_counter())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def busy(self, start: float, end: float) -> float:
+        """Busy fraction over the samples that enclose [start, end] (NaN if none)."""
+        self._sample()  # the measurement just ended: the newest counts close it
+        i = max(0, bisect.bisect_right(self._times, start) - 1)
+        j = min(len(self._times) - 1, bisect.bisect_left(self._times, end))
+        if j <= i:
+            return float("nan")
+        busy = self._counts[j][0] - self._counts[i][0]
+        total = self._counts[j][1] - self._counts[i][1]
+        return busy / total if total else float("nan")
+
+    def __enter__(self) -> CoreSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
