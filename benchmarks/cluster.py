@@ -338,8 +338,8 @@ def scenario(args: Any) -> Report:
                 part_stream(cluster, args, res, report)
         finally:
             cluster.close()
-        report.check("nothing left behind (namespaces, links, store processes)",
-                     not cluster.leftovers(), str(cluster.leftovers()))
+        left = cluster.leftovers()
+        report.check("nothing left behind (namespaces, links, store processes)", not left, str(left))
     _compare_all(report, res)
     report.raw["rows"] = report.rows
     report.raw["limits"] = {k: v.to_json() for k, v in res.limits.items()}

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import types
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
@@ -153,17 +154,18 @@ class Cluster:
             out[f"node{i}_out"] = base.format(node.link, "rx")
         return out
 
-    def leftovers(self) -> list[str]:
-        """What of the cluster still exists (after :meth:`close`: nothing, or a bug)."""
-        left = [f"namespace {n}" for n in self._names if (netns._NETNS_DIR / n).exists()]
-        left += [f"link {n}" for n in self._links if os.path.exists(f"/sys/class/net/{n}")]
-        for pid in self._pids:
-            try:
-                os.kill(pid, 0)
-                left.append(f"process {pid}")
-            except ProcessLookupError:
-                pass
-        return left
+    def leftovers(self, wait_s: float = 10.0) -> list[str]:
+        """What of the cluster still exists after :meth:`close` (nothing, or a bug); the
+        kernel removes a namespace's veth pairs shortly after the namespace, so this waits
+        up to ``wait_s`` for them."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = [f"namespace {n}" for n in self._names if (netns._NETNS_DIR / n).exists()]
+            left += [f"link {n}" for n in self._links if os.path.exists(f"/sys/class/net/{n}")]
+            left += [f"process {pid}" for pid in self._pids if _alive(pid)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
 
     def close(self) -> None:
         if self._store is not None:
@@ -180,6 +182,14 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _raise_interrupt(signum: int, frame: types.FrameType | None) -> None:
