@@ -23,6 +23,7 @@ when every sample behind it was taken with the cores at most 70% busy.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -57,8 +58,12 @@ class Results:
         self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.limits: dict[str, topo.Limit] = {}
 
-    def add(self, scenario: str, side: str, sample: dict[str, Any]) -> None:
+    def add(self, scenario: str, side: str, sample: dict[str, Any], link: str | None = None) -> None:
+        """One sample; with ``link`` (a watched counter), also how long that link carried
+        the sample's bytes: the rest of its time is work after the link's last byte."""
         sample = dict(sample, busy=self.cores.busy(*sample["window"]))
+        if link is not None:
+            sample["link_s"] = self.cores.last_byte(link, *sample["window"])
         self.samples.setdefault((scenario, side), []).append(sample)
 
     def median(self, scenario: str, side: str) -> float | None:
@@ -78,13 +83,16 @@ class Results:
                         "max_s": max(times), "n": len(times), "limit_s": limit.seconds,
                         "limit_link": limit.link, "over_limit": median / limit.seconds,
                         "busy_max": max(s["busy"] for s in got),
+                        "link_s": statistics.median(s.get("link_s", float("nan")) for s in got),
                         "valid": self.valid(scenario, side)})
         return out
 
 
 # --------------------------------------------------------------------------- the parts
 def _options(cluster: topo.Cluster, world: int) -> dict[str, Any]:
-    return dict(rank_options(world), setup=cluster.ranks(world, rank_setup))
+    """The benchmarks' rank options, each rank on its node; a part's job may take longer
+    than the usual 15 minutes: peers read the whole state on every rank over slow links."""
+    return dict(rank_options(world), setup=cluster.ranks(world, rank_setup), timeout=2400)
 
 
 def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> str:
@@ -100,8 +108,8 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
     res.limits[save] = topo.save_limit(cluster.profile, unique, nodes)
     res.limits[load] = topo.whole_load_limit(cluster.profile, unique, nodes)
     for s in out["samples"]:
-        res.add(save, s["side"], s["save"])
-        res.add(load, s["side"], s["load"])
+        res.add(save, s["side"], s["save"], "store_in")
+        res.add(load, s["side"], s["load"], "store_out")
     ct_loads = [s["load"] for s in out["samples"] if s["side"] == CT]
     ct_saves = [s["save"] for s in out["samples"] if s["side"] == CT]
     report.compare(f"{load}: bytes from storage (ckptturbo's count)",
@@ -138,7 +146,7 @@ def part_growth(cluster: topo.Cluster, args: Any, res: Results, report: Report, 
         name = f"grouped load {world}r/{nodes}n"
         res.limits[name] = topo.whole_load_limit(cluster.profile, out["unique"], nodes)
         for s in out["samples"]:
-            res.add(name, CT, s)
+            res.add(name, CT, s, "store_out")
         exact &= out["exact"]
     report.check("growth: every load equals the saved state on every rank", exact)
 
@@ -165,9 +173,9 @@ def part_recovery(cluster: topo.Cluster, args: Any, res: Results, report: Report
     res.limits[rec] = topo.recovery_limit(cluster.profile, nbytes * per)
     res.limits[durable] = topo.sharded_load_limit(cluster.profile, unique, nodes)
     for s in out["samples"]["tiers"]:
-        res.add(rec, CT, s)
+        res.add(rec, CT, s, "node1_in")
     for s in out["samples"]["durable"]:
-        res.add(durable, CT, s)
+        res.add(durable, CT, s, "store_out")
     from_durable = [s["bytes_from_durable"] for s in out["samples"]["tiers"]]
     report.check("recovery: 0 bytes from the durable store", all(b == 0 for b in from_durable),
                  str(from_durable))
@@ -214,7 +222,7 @@ def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) 
                     report.note(f"{method} not measured: {result['unavailable']}")
                     continue
                 res.add(name, method, {"seconds": result["seconds"], "window": [t0, t1],
-                                       "bytes": result["bytes"]})
+                                       "bytes": result["bytes"]}, "store_out")
                 log.info("  %-10s rep %d: %.2f s", method, rep, result["seconds"])
     finally:
         for w in workers.values():
@@ -235,12 +243,12 @@ class ClusterReport(Report):
 
     def table(self) -> str:
         head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
-                f"{'t/limit':>8} {'cores':>6}  valid  limit's link")
+                f"{'t/limit':>8} {'link s':>7} {'cores':>6}  valid  limit's link")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
                          f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
-                         f"{r['over_limit']:>8.2f} {r['busy_max']:>6.0%}  "
+                         f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['busy_max']:>6.0%}  "
                          f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
         return "\n".join(lines) + "\n\n" + super().table()
 
@@ -306,6 +314,14 @@ def _compare_all(report: ClusterReport, res: Results) -> None:
                        res.median(small, CT), "s", peer_name=f"ckptturbo {few} ranks", target=1.25)
 
 
+def _keep_partial(out: str, res: Results) -> None:
+    """Every row so far, after each part (a run cut short still leaves its numbers)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cluster-partial.json"), "w") as f:
+        json.dump({"rows": res.rows(), "limits": {k: v.to_json() for k, v in res.limits.items()}},
+                  f, indent=1)
+
+
 def scenario(args: Any) -> Report:
     """``python -m benchmarks.run cluster``: build the cluster, run the parts, take it down."""
     parts = [p for p in (args.parts or ",".join(PARTS)).split(",") if p]
@@ -322,20 +338,20 @@ def scenario(args: Any) -> Report:
     with CoreSampler() as cores:
         res = Results(cores)
         cluster = topo.Cluster(args.nodes, profile, args.workdir)
+        cores.watch(cluster.counters())
         try:
             url = ""
-            if "ddp" in parts:
-                log.info("part ddp: save and whole-state load, %d nodes", args.nodes)
-                url = part_ddp(cluster, args, res, report)
-            if "growth" in parts:
-                log.info("part growth: whole-state load on 1, 2, 4 nodes")
-                part_growth(cluster, args, res, report, url)
-            if "recovery" in parts:
-                log.info("part recovery: node 1 lost")
-                part_recovery(cluster, args, res, report)
-            if "stream" in parts:
-                log.info("part stream: one process on node 0")
-                part_stream(cluster, args, res, report)
+            for part in parts:
+                log.info("part %s", part)
+                if part == "ddp":
+                    url = part_ddp(cluster, args, res, report)
+                elif part == "growth":
+                    part_growth(cluster, args, res, report, url)
+                elif part == "recovery":
+                    part_recovery(cluster, args, res, report)
+                else:
+                    part_stream(cluster, args, res, report)
+                _keep_partial(args.out, res)
         finally:
             cluster.close()
         left = cluster.leftovers()

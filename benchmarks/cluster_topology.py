@@ -28,6 +28,9 @@ from .cluster_store import Store
 
 log = logging.getLogger("benchmarks")
 MB = 1e6  # rates are in decimal units, as links are sold
+# What of a link's rate carries payload: a full TCP segment (1,448 bytes with timestamps)
+# travels in 1,514 bytes of Ethernet, IP and TCP, and the shaper counts them all
+GOODPUT = 1448 / 1514
 
 
 @dataclass(frozen=True)
@@ -223,9 +226,9 @@ class Limit:
 
 
 def slowest(*candidates: tuple[str, float, float]) -> Limit:
-    """Of (link, bytes it must carry, its rate), the one that takes longest."""
+    """Of (link, payload bytes it must carry, its rate), the one that takes longest."""
     link, nbytes, rate = max(candidates, key=lambda c: c[1] / c[2])
-    return Limit(nbytes / rate, link, int(nbytes))
+    return Limit(nbytes / (rate * GOODPUT), link, int(nbytes))
 
 
 def save_limit(p: Profile, unique: int, nodes: int) -> Limit:

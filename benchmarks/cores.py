@@ -27,20 +27,50 @@ def _busy_total() -> tuple[int, int]:
 
 class CoreSampler:
     """Samples /proc/stat every ``interval`` seconds while open; :meth:`busy` gives the
-    fraction of all cores' time spent busy between two perf_counter readings."""
+    fraction of all cores' time spent busy between two perf_counter readings. Byte
+    counters handed to :meth:`watch` (a link's statistics files) are sampled with them, so
+    that :meth:`last_byte` can tell when a link stopped carrying a measurement's bytes."""
 
     def __init__(self, interval: float = 0.1) -> None:
         self.interval = interval
         self._times: list[float] = []
         self._counts: list[tuple[int, int]] = []
+        self._files: dict[str, str] = {}
+        self._bytes: list[dict[str, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="core-sampler")
 
+    def watch(self, files: dict[str, str]) -> None:
+        """Sample these byte counters (name -> file holding an integer) from now on."""
+        with self._lock:
+            self._files = dict(files)
+            self._bytes = [{} for _ in self._times]
+
     def _sample(self) -> None:
         with self._lock:
             self._counts.append(_busy_total())
+            counts = {}
+            for name, path in self._files.items():
+                with open(path) as f:
+                    counts[name] = int(f.read())
+            self._bytes.append(counts)
             self._times.append(time.perf_counter())
+
+    def last_byte(self, name: str, start: float, end: float) -> float:
+        """Seconds from ``start`` until counter ``name`` last grew before ``end`` (to within
+        one sampling interval): how long the link worked for a measurement. NaN if the
+        counter was not watched over the whole window."""
+        self._sample()
+        with self._lock:
+            i = max(0, bisect.bisect_right(self._times, start) - 1)
+            j = min(len(self._times) - 1, bisect.bisect_left(self._times, end))
+            series = [(t, b.get(name)) for t, b in zip(self._times[i:j + 1], self._bytes[i:j + 1])]
+        if not series or any(v is None for _, v in series):
+            return float("nan")
+        final = series[-1][1]
+        first_at_final = next(t for t, v in series if v == final)
+        return max(0.0, min(first_at_final, end) - start)
 
     def _run(self) -> None:
         while not self._stop.is_set():
