@@ -58,12 +58,13 @@ class Results:
         self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.limits: dict[str, topo.Limit] = {}
 
-    def add(self, scenario: str, side: str, sample: dict[str, Any], link: str | None = None) -> None:
+    def add(self, scenario: str, side: str, sample: dict[str, Any],
+            link: str | None = None) -> None:
         """One sample; with ``link`` (a watched counter), also how long that link carried
         the sample's bytes: the rest of its time is work after the link's last byte."""
         sample = dict(sample, busy=self.cores.busy(*sample["window"]))
         if link is not None:
-            sample["link_s"] = self.cores.last_byte(link, *sample["window"])
+            sample["link_s"] = self.cores.bulk_done(link, *sample["window"])
         self.samples.setdefault((scenario, side), []).append(sample)
 
     def median(self, scenario: str, side: str) -> float | None:
@@ -118,9 +119,9 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
     report.compare(f"{load}: bytes the store's link sent", max(s["link_bytes"] for s in ct_loads),
                    unique, "bytes", peer_name="unique bytes",
                    note="link counters: TCP/IP and HTTP headers included")
-    report.compare(f"{save}: bytes the store's link took in", max(s["link_bytes"] for s in ct_saves),
-                   unique, "bytes", peer_name="unique bytes",
-                   note="link counters: TCP/IP and HTTP headers included")
+    report.compare(f"{save}: bytes the store's link took in",
+                   max(s["link_bytes"] for s in ct_saves), unique, "bytes",
+                   peer_name="unique bytes", note="link counters: TCP/IP and HTTP headers included")
     report.raw["ddp"] = {"unique": unique, "sides": sides}
     report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
     if peer_available():
@@ -266,15 +267,16 @@ class ClusterReport(Report):
         for k, side in enumerate(sides):
             label: str | None = side
             for i, scenario in enumerate(scenarios):
-                row = next((r for r in self.rows if r["scenario"] == scenario and r["side"] == side),
-                           None)
+                row = next((r for r in self.rows
+                            if r["scenario"] == scenario and r["side"] == side), None)
                 if row is None:
                     continue
                 bar = ax.bar(i + k * width, row["over_limit"], width, color=colours[k % 4],
                              hatch="" if row["valid"] else "//", edgecolor="black", linewidth=0.4,
                              label=label)
                 label = None
-                ax.annotate(f"{row['over_limit']:.2f}", (bar[0].get_x() + width / 2, row["over_limit"]),
+                ax.annotate(f"{row['over_limit']:.2f}",
+                            (bar[0].get_x() + width / 2, row["over_limit"]),
                             ha="center", va="bottom", fontsize=6)
         ax.axhline(1.3, color="red", linestyle="--", linewidth=0.8, label="target 1.3x limit")
         ax.axhline(1.0, color="black", linewidth=0.6)
@@ -301,7 +303,8 @@ def _compare_all(report: ClusterReport, res: Results) -> None:
                        peer_name=f"limit: {limit.link}", target=1.3, note=valid)
         peers = {side: res.median(scenario, side) for (s, side) in res.samples
                  if s == scenario and side != CT}
-        target = next((t for prefix, t in PEER_TARGETS.items() if scenario.startswith(prefix)), None)
+        target = next((t for prefix, t in PEER_TARGETS.items() if scenario.startswith(prefix)),
+                      None)
         best = min(peers, key=lambda side: peers[side]) if peers else None
         for side, theirs in peers.items():
             report.compare(f"{scenario} vs {side}", ours, theirs, "s", peer_name=side,
@@ -355,7 +358,8 @@ def scenario(args: Any) -> Report:
         finally:
             cluster.close()
         left = cluster.leftovers()
-        report.check("nothing left behind (namespaces, links, store processes)", not left, str(left))
+        report.check("nothing left behind (namespaces, links, store processes)", not left,
+                     str(left))
     _compare_all(report, res)
     report.raw["rows"] = report.rows
     report.raw["limits"] = {k: v.to_json() for k, v in res.limits.items()}

@@ -21,11 +21,15 @@ CT, DCP_FSSPEC, S3TORCH = "ckptturbo", "DCP fsspec", "s3torchconnector"
 
 
 def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
-    return fsspec_writer(url, options) if side == DCP_FSSPEC else s3_peers.writer(side, url, options)
+    if side == DCP_FSSPEC:
+        return fsspec_writer(url, options)
+    return s3_peers.writer(side, url, options)
 
 
 def _reader(side: str, url: str, options: dict[str, Any]) -> Any:
-    return fsspec_reader(url, options) if side == DCP_FSSPEC else s3_peers.reader(side, url, options)
+    if side == DCP_FSSPEC:
+        return fsspec_reader(url, options)
+    return s3_peers.reader(side, url, options)
 
 
 def _url(root: str, side: str, rep: int) -> str:

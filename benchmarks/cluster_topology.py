@@ -131,7 +131,8 @@ class Cluster:
         log.info("cluster: %d nodes x %d ranks, node link %.1f MB/s (store share %.2f MB/s), "
                  "store link %.1f MB/s, %.2f MB/s per connection, %.0f ms first byte",
                  nodes, profile.ranks_per_node, profile.node_rate / MB, profile.store_rate / MB,
-                 profile.store_rate * nodes / MB, profile.conn_rate / MB, profile.first_byte_s * 1e3)
+                 profile.store_rate * nodes / MB, profile.conn_rate / MB,
+                 profile.first_byte_s * 1e3)
 
     @property
     def store(self) -> Store:

@@ -29,7 +29,7 @@ class CoreSampler:
     """Samples /proc/stat every ``interval`` seconds while open; :meth:`busy` gives the
     fraction of all cores' time spent busy between two perf_counter readings. Byte
     counters handed to :meth:`watch` (a link's statistics files) are sampled with them, so
-    that :meth:`last_byte` can tell when a link stopped carrying a measurement's bytes."""
+    that :meth:`bulk_done` can tell when a link had carried a measurement's bytes."""
 
     def __init__(self, interval: float = 0.1) -> None:
         self.interval = interval
@@ -46,6 +46,7 @@ class CoreSampler:
         with self._lock:
             self._files = dict(files)
             self._bytes = [{} for _ in self._times]
+        self._sample()
 
     def _sample(self) -> None:
         with self._lock:
@@ -57,36 +58,41 @@ class CoreSampler:
             self._bytes.append(counts)
             self._times.append(time.perf_counter())
 
-    def last_byte(self, name: str, start: float, end: float) -> float:
-        """Seconds from ``start`` until counter ``name`` last grew before ``end`` (to within
-        one sampling interval): how long the link worked for a measurement. NaN if the
-        counter was not watched over the whole window."""
-        self._sample()
-        with self._lock:
-            i = max(0, bisect.bisect_right(self._times, start) - 1)
-            j = min(len(self._times) - 1, bisect.bisect_left(self._times, end))
-            series = [(t, b.get(name)) for t, b in zip(self._times[i:j + 1], self._bytes[i:j + 1])]
-        if not series or any(v is None for _, v in series):
-            return float("nan")
-        final = series[-1][1]
-        first_at_final = next(t for t, v in series if v == final)
-        return max(0.0, min(first_at_final, end) - start)
-
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sample()
             self._stop.wait(self.interval)
 
+    def _window(self, start: float, end: float) -> tuple[int, int]:
+        """Indices of the samples that enclose [start, end] (call with the lock held)."""
+        i = max(0, bisect.bisect_right(self._times, start) - 1)
+        return i, min(len(self._times) - 1, bisect.bisect_left(self._times, end))
+
     def busy(self, start: float, end: float) -> float:
         """Busy fraction over the samples that enclose [start, end] (NaN if none)."""
-        self._sample()  # the measurement just ended: the newest counts close it
-        i = max(0, bisect.bisect_right(self._times, start) - 1)
-        j = min(len(self._times) - 1, bisect.bisect_left(self._times, end))
-        if j <= i:
-            return float("nan")
-        busy = self._counts[j][0] - self._counts[i][0]
-        total = self._counts[j][1] - self._counts[i][1]
+        self._sample()  # the measurement has ended: the newest counts close it
+        with self._lock:
+            i, j = self._window(start, end)
+            if j <= i:
+                return float("nan")
+            busy = self._counts[j][0] - self._counts[i][0]
+            total = self._counts[j][1] - self._counts[i][1]
         return busy / total if total else float("nan")
+
+    def bulk_done(self, name: str, start: float, end: float, share: float = 0.99) -> float:
+        """Seconds from ``start`` until counter ``name`` had counted ``share`` of what it
+        counted by ``end`` (to within one sampling interval): how long a link worked for a
+        measurement's bulk, leaving out small messages at its end (a manifest, a
+        collective's reply). NaN if the counter was not watched over the whole window."""
+        self._sample()
+        with self._lock:
+            i, j = self._window(start, end)
+            series = [(t, b.get(name)) for t, b in zip(self._times[i:j + 1], self._bytes[i:j + 1])]
+        if len(series) < 2 or any(v is None for _, v in series):
+            return float("nan")
+        first, final = series[0][1], series[-1][1]
+        done = next(t for t, v in series if v - first >= share * (final - first))
+        return max(0.0, min(done, end) - start)
 
     def __enter__(self) -> CoreSampler:
         self._thread.start()
