@@ -65,6 +65,7 @@ class Results:
         sample = dict(sample, busy=self.cores.busy(*sample["window"]))
         if link is not None:
             sample["link_s"] = self.cores.bulk_done(link, *sample["window"])
+        sample["in_flight"] = self.cores.mean("in_flight", *sample["window"])
         self.samples.setdefault((scenario, side), []).append(sample)
 
     def median(self, scenario: str, side: str) -> float | None:
@@ -85,6 +86,7 @@ class Results:
                         "limit_link": limit.link, "over_limit": median / limit.seconds,
                         "busy_max": max(s["busy"] for s in got),
                         "link_s": statistics.median(s.get("link_s", float("nan")) for s in got),
+                        "in_flight": statistics.median(s["in_flight"] for s in got),
                         "valid": self.valid(scenario, side)})
         return out
 
@@ -122,6 +124,10 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
     report.compare(f"{save}: bytes the store's link took in",
                    max(s["link_bytes"] for s in ct_saves), unique, "bytes",
                    peer_name="unique bytes", note="link counters: TCP/IP and HTTP headers included")
+    per_node = [[s["links"][f"node{i}_out"] for i in range(nodes)] for s in ct_saves]
+    report.compare(f"{save}: max/mean bytes a node sent", max(max(p) / statistics.fmean(p)
+                                                               for p in per_node), 1.0, "x",
+                   peer_name="perfect balance")
     report.raw["ddp"] = {"unique": unique, "sides": sides}
     report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
     if peer_available():
@@ -244,12 +250,13 @@ class ClusterReport(Report):
 
     def table(self) -> str:
         head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
-                f"{'t/limit':>8} {'link s':>7} {'cores':>6}  valid  limit's link")
+                f"{'t/limit':>8} {'link s':>7} {'reqs':>5} {'cores':>6}  valid  limit's link")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
                          f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
-                         f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['busy_max']:>6.0%}  "
+                         f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['in_flight']:>5.1f} "
+                         f"{r['busy_max']:>6.0%}  "
                          f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
         return "\n".join(lines) + "\n\n" + super().table()
 
@@ -341,7 +348,8 @@ def scenario(args: Any) -> Report:
     with CoreSampler() as cores:
         res = Results(cores)
         cluster = topo.Cluster(args.nodes, profile, args.workdir)
-        cores.watch(cluster.counters())
+        cores.watch(cluster.counters(),
+                    lambda: {"in_flight": cluster.store.stats()["in_flight"]})
         try:
             url = ""
             for part in parts:
@@ -356,6 +364,7 @@ def scenario(args: Any) -> Report:
                     part_stream(cluster, args, res, report)
                 _keep_partial(args.out, res)
         finally:
+            cores.unwatch()
             cluster.close()
         left = cluster.leftovers()
         report.check("nothing left behind (namespaces, links, store processes)", not left,

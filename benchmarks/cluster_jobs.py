@@ -38,14 +38,17 @@ def _url(root: str, side: str, rep: int) -> str:
 
 
 def _timed(rank: int, counters: dict[str, str], key: str, fn: Any) -> dict[str, Any]:
-    """``fn()`` on every rank between barriers; rank 0 also counts the store link's ``key``
-    bytes (what the store sent or took in) over the same window."""
-    before = read_counters(counters)[key] if rank == 0 else 0
+    """``fn()`` on every rank between barriers; rank 0 also counts what every link carried
+    over the same window (``links``), the store link's ``key`` (what the store sent or
+    took in) as ``link_bytes``."""
+    before = read_counters(counters) if rank == 0 else {}
     t0 = barrier_time()
     fn()
     t1 = barrier_time()
-    after = read_counters(counters)[key] if rank == 0 else 0
-    return {"seconds": t1 - t0, "window": [t0, t1], "link_bytes": after - before}
+    after = read_counters(counters) if rank == 0 else {}
+    links = {name: after[name] - before[name] for name in after}
+    return {"seconds": t1 - t0, "window": [t0, t1], "link_bytes": links.get(key, 0),
+            "links": links}
 
 
 def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, Any],

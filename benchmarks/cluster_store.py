@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 from typing import Any
 
 from ckptturbo.testing import embedded_s3, netns
@@ -88,6 +89,7 @@ class Store:
     def __init__(self, host: netns.Host, data_dir: str, latency_s: float, conn_rate: float) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.server_pid = 0
+        self._asking = threading.Lock()
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_keeper, args=(host, data_dir, latency_s, conn_rate, child),
                                  daemon=True, name="cluster-store")
@@ -114,9 +116,10 @@ class Store:
         return f"s3://{self.bucket}/{name}"
 
     def stats(self) -> dict[str, Any]:
-        """The proxy's counts so far (requests, bytes each way)."""
-        self._conn.send("stats")
-        return self._conn.recv()
+        """The proxy's counts so far (requests, bytes each way, requests in flight now)."""
+        with self._asking:
+            self._conn.send("stats")
+            return self._conn.recv()
 
     def stop(self) -> None:
         """Close the pipe: the keeper stops the proxy and the server; reap it by PID."""

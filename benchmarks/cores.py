@@ -10,8 +10,10 @@ the system-wide monotonic clock, the same in every process).
 from __future__ import annotations
 
 import bisect
+import statistics
 import threading
 import time
+from typing import Callable
 
 BUSY_LIMIT = 0.70
 
@@ -36,17 +38,27 @@ class CoreSampler:
         self._times: list[float] = []
         self._counts: list[tuple[int, int]] = []
         self._files: dict[str, str] = {}
+        self._probe: Callable[[], dict[str, int]] | None = None
         self._bytes: list[dict[str, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="core-sampler")
 
-    def watch(self, files: dict[str, str]) -> None:
-        """Sample these byte counters (name -> file holding an integer) from now on."""
+    def watch(self, files: dict[str, str],
+              probe: Callable[[], dict[str, int]] | None = None) -> None:
+        """Sample these byte counters (name -> file holding an integer) from now on, and
+        the gauges ``probe`` returns (requests in flight at the store, say)."""
         with self._lock:
             self._files = dict(files)
+            self._probe = probe
             self._bytes = [{} for _ in self._times]
         self._sample()
+
+    def unwatch(self) -> None:
+        """Stop sampling the counters (their files are about to go), keeping what was seen."""
+        with self._lock:
+            self._files = {}
+            self._probe = None
 
     def _sample(self) -> None:
         with self._lock:
@@ -55,6 +67,11 @@ class CoreSampler:
             for name, path in self._files.items():
                 with open(path) as f:
                     counts[name] = int(f.read())
+            if self._probe is not None:
+                try:
+                    counts.update(self._probe())
+                except (OSError, EOFError):
+                    self._probe = None  # what it asked has gone: the run is ending
             self._bytes.append(counts)
             self._times.append(time.perf_counter())
 
@@ -93,6 +110,13 @@ class CoreSampler:
         first, final = series[0][1], series[-1][1]
         done = next(t for t, v in series if v - first >= share * (final - first))
         return max(0.0, min(done, end) - start)
+
+    def mean(self, name: str, start: float, end: float) -> float:
+        """The mean of gauge ``name`` over the samples taken in [start, end] (NaN if none)."""
+        with self._lock:
+            i, j = self._window(start, end)
+            values = [b[name] for b in self._bytes[i + 1:j] if name in b]
+        return statistics.fmean(values) if values else float("nan")
 
     def __enter__(self) -> CoreSampler:
         self._thread.start()
