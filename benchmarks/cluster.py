@@ -260,6 +260,29 @@ class ClusterReport(Report):
                          f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
         return "\n".join(lines) + "\n\n" + super().table()
 
+    def markdown(self) -> str:
+        """The rows and comparisons as Markdown tables (for docs/benchmarks.md)."""
+        lines = ["| scenario | side | median s (min-max) | limit s | time / limit | link s | "
+                 "requests in flight | cores (max) | valid |", "|---" * 9 + "|"]
+        for r in self.rows:
+            lines.append(f"| {r['scenario']} | {r['side']} | {r['median_s']:.2f} ({r['min_s']:.2f}-"
+                         f"{r['max_s']:.2f}) | {r['limit_s']:.2f} | **{r['over_limit']:.2f}** | "
+                         f"{r['link_s']:.2f} | {r['in_flight']:.1f} | {r['busy_max']:.0%} | "
+                         f"{'yes' if r['valid'] else 'no'} |")
+        lines += ["", "| measure | ckptturbo | peer | ratio | target |", "|---|---|---|---|---|"]
+        for c in self.comparisons:
+            verdict = "ok" if c.met else "MISSED"
+            target = "" if c.target is None else f"{c.op} {c.target:g} {verdict}"
+            lines.append(f"| {c.name} | {c.ours:.4g} | {c.peer:.4g} ({c.peer_name}) | "
+                         f"**{c.ratio:.3f}** | {target} |")
+        return "\n".join(lines) + "\n"
+
+    def finish(self, out_dir: str) -> dict[str, Any]:
+        doc = super().finish(out_dir)
+        with open(os.path.join(out_dir, "cluster.md"), "w") as f:
+            f.write(self.markdown())
+        return doc
+
     def plot(self, path: str) -> None:
         import matplotlib
 
