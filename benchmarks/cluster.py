@@ -45,8 +45,9 @@ from .s3_peers import peer_available
 from .states import MiB
 
 log = logging.getLogger("benchmarks")
-PARTS = ("ddp", "growth", "recovery", "stream")
+PARTS = ("ddp", "growth", "recovery", "stream")  # the default; "vllm" on request
 RUNAI = "Run:ai"
+FLOOR = "construction (dummy)"  # vLLM's load_format="dummy": builds the model, reads nothing
 
 
 class Results:
@@ -57,6 +58,7 @@ class Results:
         self.cores = cores
         self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.limits: dict[str, topo.Limit] = {}
+        self.floors: dict[str, str] = {}  # scenario -> the side that is its construction
 
     def add(self, scenario: str, side: str, sample: dict[str, Any],
             link: str | None = None) -> None:
@@ -192,23 +194,28 @@ def part_recovery(cluster: topo.Cluster, args: Any, res: Results, report: Report
                    peer_name="ckptturbo durable load", target=0.2)
 
 
-def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
-    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
+def _upload(store: Any, url: str, directory: str) -> None:
+    """Every file of ``directory`` to ``url`` on the store, in parallel (untimed)."""
     from ckptturbo.store import Store
 
+    remote = Store(url, store.storage_options)
+    names = sorted(os.listdir(directory))
+
+    def upload(name: str) -> None:
+        with open(os.path.join(directory, name), "rb") as f:
+            remote.put(remote.join(remote.root, name), f.read())
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(upload, names))
+
+
+def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
     store = cluster.store
     model = os.path.join(cluster.scratch, "model")
     files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
     url = store.url("model")
-    remote = Store(url, store.storage_options)
-    names = [*files, os.path.join(model, "model.safetensors.index.json")]
-
-    def upload(path: str) -> None:
-        with open(path, "rb") as f:
-            remote.put(remote.join(remote.root, os.path.basename(path)), f.read())
-
-    with ThreadPoolExecutor(len(names)) as pool:
-        list(pool.map(upload, names))
+    _upload(store, url, model)
     total = sum(os.path.getsize(f) for f in files)
     spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
             "local_files": files, "storage_options": store.storage_options,
@@ -236,8 +243,62 @@ def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) 
             w.close()
 
 
+def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """vLLM's weights phase (``load_model``) on node 0, tensor-parallel 1, in warm engine
+    processes (benchmarks.ray_vllm's): ``load_format="ckptturbo"`` vs ``runai_streamer``,
+    and ``dummy`` (builds the model, reads nothing): the construction, reported apart."""
+    from . import ray_vllm
+
+    store = cluster.store
+    hf, config_only = (os.path.join(cluster.scratch, d) for d in ("llama", "llama-config"))
+    weight_bytes = ray_vllm._tiny_llama(hf, 256, 2)
+    os.makedirs(config_only)
+    for name in os.listdir(hf):
+        if name.endswith(".json") and "safetensors" not in name:
+            shutil.copy(os.path.join(hf, name), config_only)
+    url = store.url("llama")
+    _upload(store, url, hf)
+    opts = store.storage_options
+    aws = {"AWS_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": store.key,
+           "AWS_SECRET_ACCESS_KEY": store.secret, "AWS_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    ways = {CT: ([config_only, "ckptturbo", json.dumps({"url": url, "storage_options": opts}), ""],
+                 {}),
+            "runai_streamer": ([url, "runai_streamer", "{}", ""], aws),
+            FLOOR: ([config_only, "dummy", "{}", ""], {})}
+    python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
+                                               sys.executable)
+    name = "vLLM weights phase TP1/1n"
+    res.limits[name] = topo.stream_limit(cluster.profile, weight_bytes)
+    res.floors[name] = FLOOR
+    workers = {}
+    try:
+        for way, (argv, env) in ways.items():
+            workers[way] = ray_vllm._EngineWorker(argv, python, env)
+        for rep in range(args.reps):
+            for way in (list(ways) if rep % 2 == 0 else list(ways)[::-1]):
+                t0 = now()
+                result = workers[way].run()
+                t1 = now()
+                if "weights_s" not in result:
+                    report.note(f"vLLM {way} not measured: {result.get('unavailable', result)}")
+                    continue
+                res.add(name, way, {"seconds": result["weights_s"], "window": [t0, t1]},
+                        "store_out")
+                log.info("  %-22s rep %d: weights phase %.2f s", way, rep, result["weights_s"])
+    finally:
+        for w in workers.values():
+            w.close()
+    floor = res.median(name, FLOOR)
+    ours, theirs = res.median(name, CT), res.median(name, "runai_streamer")
+    if floor is not None and ours is not None and theirs is not None and theirs > floor:
+        report.compare(f"{name} above construction vs runai_streamer", ours - floor,
+                       theirs - floor, "s", peer_name="runai_streamer above construction")
+
+
 # --------------------------------------------------------------------------- the report
-PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05}
+PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05,
+                "vLLM weights phase": 0.6}
 
 
 class ClusterReport(Report):
@@ -329,10 +390,16 @@ def _compare_all(report: ClusterReport, res: Results) -> None:
         if ours is None:
             continue
         valid = "" if res.valid(scenario, CT) else "NOT VALID: cores > 70% busy"
-        report.compare(f"{scenario}: time / physical limit", ours, limit.seconds, "s",
-                       peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+        floor = res.floors.get(scenario)
+        if floor is None:
+            report.compare(f"{scenario}: time / physical limit", ours, limit.seconds, "s",
+                           peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+        elif res.median(scenario, floor) is not None:
+            report.compare(f"{scenario} above {floor}: time / physical limit",
+                           ours - res.median(scenario, floor), limit.seconds, "s",
+                           peer_name=f"limit: {limit.link}", target=1.3, note=valid)
         peers = {side: res.median(scenario, side) for (s, side) in res.samples
-                 if s == scenario and side != CT}
+                 if s == scenario and side not in (CT, floor)}
         target = next((t for prefix, t in PEER_TARGETS.items() if scenario.startswith(prefix)),
                       None)
         best = min(peers, key=lambda side: peers[side]) if peers else None
@@ -358,9 +425,9 @@ def _keep_partial(out: str, res: Results) -> None:
 def scenario(args: Any) -> Report:
     """``python -m benchmarks.run cluster``: build the cluster, run the parts, take it down."""
     parts = [p for p in (args.parts or ",".join(PARTS)).split(",") if p]
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - {*PARTS, "vllm"}
     if unknown:
-        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}, vllm")
     profile = topo.PROFILE.scaled(args.scale)
     report = ClusterReport({"size_mb": args.size_mb, "reps": args.reps, "nodes": args.nodes,
                             "parts": parts, "profile": profile.describe()})
@@ -383,8 +450,10 @@ def scenario(args: Any) -> Report:
                     part_growth(cluster, args, res, report, url)
                 elif part == "recovery":
                     part_recovery(cluster, args, res, report)
-                else:
+                elif part == "stream":
                     part_stream(cluster, args, res, report)
+                else:
+                    part_vllm(cluster, args, res, report)
                 _keep_partial(args.out, res)
         finally:
             cores.unwatch()
@@ -397,5 +466,6 @@ def scenario(args: Any) -> Report:
     report.raw["limits"] = {k: v.to_json() for k, v in res.limits.items()}
     report.raw["samples"] = [{"scenario": sc, "side": side, **s}
                              for (sc, side), got in res.samples.items() for s in got]
-    report.note("vLLM weights phase: not measured on the cluster yet")
+    if "vllm" not in parts:
+        report.note("vLLM weights phase: not measured (part vllm, on request)")
     return report
