@@ -64,7 +64,8 @@ class Results:
             link: str | None = None) -> None:
         """One sample; with ``link`` (a watched counter), also how long that link carried
         the sample's bytes: the rest of its time is work after the link's last byte."""
-        sample = dict(sample, busy=self.cores.busy(*sample["window"]))
+        sample = dict(sample, busy=self.cores.busy(*sample["window"]),
+                      own=self.cores.own(*sample["window"]))
         if link is not None:
             sample["link_s"] = self.cores.bulk_done(link, *sample["window"])
         sample["in_flight"] = self.cores.mean("in_flight", *sample["window"])
@@ -87,6 +88,7 @@ class Results:
                         "max_s": max(times), "n": len(times), "limit_s": limit.seconds,
                         "limit_link": limit.link, "over_limit": median / limit.seconds,
                         "busy_max": max(s["busy"] for s in got),
+                        "own_max": max(s["own"] for s in got),
                         "link_s": statistics.median(s.get("link_s", float("nan")) for s in got),
                         "in_flight": statistics.median(s["in_flight"] for s in got),
                         "valid": self.valid(scenario, side)})
@@ -311,24 +313,27 @@ class ClusterReport(Report):
 
     def table(self) -> str:
         head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
-                f"{'t/limit':>8} {'link s':>7} {'reqs':>5} {'cores':>6}  valid  limit's link")
+                f"{'t/limit':>8} {'link s':>7} {'reqs':>5} {'cores':>6} {'ours':>5}  valid  "
+                "limit's link")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
                          f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
                          f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['in_flight']:>5.1f} "
-                         f"{r['busy_max']:>6.0%}  "
+                         f"{r['busy_max']:>6.0%} {r['own_max']:>5.0%}  "
                          f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
         return "\n".join(lines) + "\n\n" + super().table()
 
     def markdown(self) -> str:
         """The rows and comparisons as Markdown tables (for docs/benchmarks.md)."""
         lines = ["| scenario | side | median s (min-max) | limit s | time / limit | link s | "
-                 "requests in flight | cores (max) | valid |", "|---" * 9 + "|"]
+                 "requests in flight | cores busy (max) | of which ours | valid |",
+                 "|---" * 10 + "|"]
         for r in self.rows:
             lines.append(f"| {r['scenario']} | {r['side']} | {r['median_s']:.2f} ({r['min_s']:.2f}-"
                          f"{r['max_s']:.2f}) | {r['limit_s']:.2f} | **{r['over_limit']:.2f}** | "
                          f"{r['link_s']:.2f} | {r['in_flight']:.1f} | {r['busy_max']:.0%} | "
+                         f"{r['own_max']:.0%} | "
                          f"{'yes' if r['valid'] else 'no'} |")
         lines += ["", "| measure | ckptturbo | peer | ratio | target |", "|---|---|---|---|---|"]
         for c in self.comparisons:

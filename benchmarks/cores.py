@@ -10,6 +10,7 @@ the system-wide monotonic clock, the same in every process).
 from __future__ import annotations
 
 import bisect
+import os
 import statistics
 import threading
 import time
@@ -27,6 +28,32 @@ def _busy_total() -> tuple[int, int]:
     return total - idle, total
 
 
+def _own_ticks(root: int) -> int:
+    """CPU ticks of ``root`` and every process below it (ranks, the store, its server),
+    the reaped children's included: what this benchmark itself spends."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    total = 0
+    for pid, count in ticks.items():
+        up = pid
+        while up not in (0, 1, root) and up in parents:
+            up = parents[up]
+        if up == root:
+            total += count
+    return total
+
+
 class CoreSampler:
     """Samples /proc/stat every ``interval`` seconds while open; :meth:`busy` gives the
     fraction of all cores' time spent busy between two perf_counter readings. Byte
@@ -37,6 +64,7 @@ class CoreSampler:
         self.interval = interval
         self._times: list[float] = []
         self._counts: list[tuple[int, int]] = []
+        self._own: list[int] = []
         self._files: dict[str, str] = {}
         self._probe: Callable[[], dict[str, int]] | None = None
         self._bytes: list[dict[str, int]] = []
@@ -63,6 +91,7 @@ class CoreSampler:
     def _sample(self) -> None:
         with self._lock:
             self._counts.append(_busy_total())
+            self._own.append(_own_ticks(os.getpid()))
             counts = {}
             for name, path in self._files.items():
                 with open(path) as f:
@@ -95,6 +124,16 @@ class CoreSampler:
             busy = self._counts[j][0] - self._counts[i][0]
             total = self._counts[j][1] - self._counts[i][1]
         return busy / total if total else float("nan")
+
+    def own(self, start: float, end: float) -> float:
+        """The fraction of all cores' time this process and its descendants used over
+        [start, end]: the benchmark's own share of :meth:`busy`."""
+        with self._lock:
+            i, j = self._window(start, end)
+            if j <= i:
+                return float("nan")
+            total = self._counts[j][1] - self._counts[i][1]
+            return (self._own[j] - self._own[i]) / total if total else float("nan")
 
     def bulk_done(self, name: str, start: float, end: float, share: float = 0.99) -> float:
         """Seconds from ``start`` until counter ``name`` had counted ``share`` of what it
