@@ -16,10 +16,13 @@ growth    ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes
 recovery  sharded state with memory tiers: node 1 lost, recovered from its peers' memory,
           vs ckptturbo's load of the same checkpoint from the durable store
 stream    ct.stream_safetensors vs Run:ai Model Streamer, one process on node 0
+vllm      (on request, not in the default) vLLM's weights phase on node 0 with
+          load_format="ckptturbo" vs "runai_streamer", the construction ("dummy") apart
 
-The vLLM weights phase is not part of it yet (see docs/benchmarks.md). Every sample's
-cores' utilisation is measured (/proc/stat, the whole machine); a result is valid only
-when every sample behind it was taken with the cores at most 70% busy.
+Every sample's cores' utilisation is measured (/proc/stat, the whole machine, and the
+benchmark's own process tree); a result is valid only when every sample behind it was
+taken with the cores at most 70% busy. Each sample also keeps how long the deciding link
+carried its bytes and how many requests the store had in flight meanwhile.
 """
 from __future__ import annotations
 
@@ -62,8 +65,10 @@ class Results:
 
     def add(self, scenario: str, side: str, sample: dict[str, Any],
             link: str | None = None) -> None:
-        """One sample; with ``link`` (a watched counter), also how long that link carried
-        the sample's bytes: the rest of its time is work after the link's last byte."""
+        """One sample, with the cores' busy fraction (all, and the benchmark's own) and the
+        store's requests in flight over its window; with ``link`` (a watched counter), also
+        how long that link took to carry the sample's bulk: the rest of its time is work
+        before or after the bytes move."""
         sample = dict(sample, busy=self.cores.busy(*sample["window"]),
                       own=self.cores.own(*sample["window"]))
         if link is not None:
@@ -129,8 +134,8 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
                    max(s["link_bytes"] for s in ct_saves), unique, "bytes",
                    peer_name="unique bytes", note="link counters: TCP/IP and HTTP headers included")
     per_node = [[s["links"][f"node{i}_out"] for i in range(nodes)] for s in ct_saves]
-    report.compare(f"{save}: max/mean bytes a node sent", max(max(p) / statistics.fmean(p)
-                                                               for p in per_node), 1.0, "x",
+    imbalance = max(max(sent) / statistics.fmean(sent) for sent in per_node)
+    report.compare(f"{save}: max/mean bytes a node sent", imbalance, 1.0, "x",
                    peer_name="perfect balance")
     report.raw["ddp"] = {"unique": unique, "sides": sides}
     report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
