@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from ckptturbo.testing import netns
@@ -439,6 +440,8 @@ def scenario(args: Any) -> Report:
     if unknown:
         raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}, vllm")
     profile = topo.PROFILE.scaled(args.scale)
+    if args.conn_mbps:  # the per-connection cap in the miniature, instead of the profile's
+        profile = replace(profile, conn_scale=args.conn_mbps * topo.MB / profile.conn)
     report = ClusterReport({"size_mb": args.size_mb, "reps": args.reps, "nodes": args.nodes,
                             "parts": parts, "profile": profile.describe()})
     why = netns.available()

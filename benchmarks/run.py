@@ -85,7 +85,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conn-mbps", type=float, default=0.0,
                    help="S3 scenarios: cap every connection to SeaweedFS at this many MB/s "
                         "(10^6 bytes/s) each way, like a remote object store's per-stream limit "
-                        "(default: no cap; give it its own --out)")
+                        "(default: no cap; give it its own --out); cluster: the miniature's "
+                        "cap instead of the profile's")
     p.add_argument("--verify", choices=["storage", "all"], default="storage",
                    help="grouped-load: TurboReader(verify=...): chunks hashed by the rank that read "
                         "them (default), or again by every rank that receives them")
