@@ -138,6 +138,12 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
     imbalance = max(max(sent) / statistics.fmean(sent) for sent in per_node)
     report.compare(f"{save}: max/mean bytes a node sent", imbalance, 1.0, "x",
                    peer_name="perfect balance")
+    per = cluster.profile.ranks_per_node
+    read = [[sum(s["read_per_rank"][n * per:(n + 1) * per]) for n in range(nodes)]
+            for s in ct_loads]
+    report.compare(f"{load}: max/mean bytes a node read from the store",
+                   max(max(r) / statistics.fmean(r) for r in read), 1.0, "x",
+                   peer_name="perfect balance")
     report.raw["ddp"] = {"unique": unique, "sides": sides}
     report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
     if peer_available():

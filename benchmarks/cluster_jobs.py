@@ -62,7 +62,17 @@ def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, An
     read = gather(getattr(reader, "bytes_from_storage", None))
     if side == CT:
         sample["bytes_from_storage"] = sum(read)
+        sample["read_per_rank"] = read
     return sample, exact
+
+
+def _remove(url: str, opts: dict[str, Any]) -> None:
+    """Delete a checkpoint (untimed): SeaweedFS lists a bucket by walking it, so a bucket
+    that kept every repetition's objects would make ckptturbo's listing of it (one per
+    save) slower with every repetition, where S3 lists by prefix."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True, **opts).rm(url, recursive=True)
 
 
 def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, reps: int,
@@ -82,7 +92,11 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
             saved = _timed(rank, counters, "store_in", lambda: dcp.save(sd, storage_writer=writer))
             loaded, ok = _load(rank, side, url, opts, sd, expected, counters)
             exact &= ok
-            kept = url if side == CT else kept
+            barrier_time()
+            if side == CT and rep == reps - 1:
+                kept = url  # what the growth part loads
+            elif rank == 0:
+                _remove(url.removesuffix("/ckpt"), opts)
             if rep >= 0 and rank == 0:
                 samples.append({"side": side, "rep": rep, "save": saved, "load": loaded})
                 log.info("  %-16s rep %d: save %.2f s, load %.2f s", side, rep, saved["seconds"],
