@@ -66,15 +66,6 @@ def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, An
     return sample, exact
 
 
-def _remove(url: str, opts: dict[str, Any]) -> None:
-    """Delete a checkpoint (untimed): SeaweedFS lists a bucket by walking it, so a bucket
-    that kept every repetition's objects would make ckptturbo's listing of it (one per
-    save) slower with every repetition, where S3 lists by prefix."""
-    import s3fs
-
-    s3fs.S3FileSystem(skip_instance_cache=True, **opts).rm(url, recursive=True)
-
-
 def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, reps: int,
              counters: dict[str, str], sides: tuple[str, ...]) -> dict[str, Any]:
     """Every rank holds the same state (DDP): each side saves it, then every rank loads the
@@ -88,15 +79,12 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
     for rep in range(-1, reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):
             url = _url(root, side, rep)
+            reset_fsspec_caches()  # no side inherits another's fsspec clients
             writer = _writer(side, url, opts)
             saved = _timed(rank, counters, "store_in", lambda: dcp.save(sd, storage_writer=writer))
             loaded, ok = _load(rank, side, url, opts, sd, expected, counters)
             exact &= ok
-            barrier_time()
-            if side == CT and rep == reps - 1:
-                kept = url  # what the growth part loads
-            elif rank == 0:
-                _remove(url.removesuffix("/ckpt"), opts)
+            kept = url if side == CT else kept  # the newest: what the growth part loads
             if rep >= 0 and rank == 0:
                 samples.append({"side": side, "rep": rep, "save": saved, "load": loaded})
                 log.info("  %-16s rep %d: save %.2f s, load %.2f s", side, rep, saved["seconds"],
