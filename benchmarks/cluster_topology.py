@@ -107,6 +107,7 @@ class Cluster:
         self._names: list[str] = []
         self._links: list[str] = []
         self._pids: list[int] = []
+        self._data = ""
         self._previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             self._hosts = netns.VirtualHosts(nodes + 1)
@@ -121,9 +122,11 @@ class Cluster:
             self._hosts.shape(self.store_host, _mbit(profile.store_rate * nodes))
             # SeaweedFS's volumes on a memory file system: the store's disks are not what
             # a remote object store's client waits for
-            data = tempfile.mkdtemp(prefix="ckptturbo-cluster-s3-",
-                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else self.scratch)
-            self._store = Store(self.store_host, data, profile.first_byte_s, profile.conn_rate)
+            self._data = tempfile.mkdtemp(prefix="ckptturbo-cluster-s3-",
+                                          dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                          else self.scratch)
+            self._store = Store(self.store_host, self._data, profile.first_byte_s,
+                                profile.conn_rate)
             self._pids += [self._store.server_pid, self._store.keeper_pid]
         except BaseException:
             self.close()
@@ -167,6 +170,8 @@ class Cluster:
             left = [f"namespace {n}" for n in self._names if (netns._NETNS_DIR / n).exists()]
             left += [f"link {n}" for n in self._links if os.path.exists(f"/sys/class/net/{n}")]
             left += [f"process {pid}" for pid in self._pids if _alive(pid)]
+            left += [f"directory {d}" for d in (self.scratch, self._data)
+                     if d and os.path.exists(d)]
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.1)
@@ -179,6 +184,8 @@ class Cluster:
             self._hosts.close()
             self._hosts = None
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self._data:  # the store removes it when it stops; not if it never started
+            shutil.rmtree(self._data, ignore_errors=True)
         signal.signal(signal.SIGTERM, self._previous)
 
     def __enter__(self) -> Cluster:
