@@ -15,6 +15,9 @@ Scenarios (see docs/benchmarks.md for what each compares and the targets):
     tiers               --ranks/2 "nodes" of 2 ranks: recovery of a lost node from its peers'
                         memory vs a load from S3 behind a 20 ms, 50 MB/s proxy; the stall of
                         a memory-tier save every step; host memory per node
+    cluster             a cluster in miniature (root: network namespaces, shaped links, the
+                        store behind its own link): every result as time / physical limit and
+                        against DCP fsspec, s3torchconnector, Run:ai (--nodes, --parts, --scale)
     all                 every scenario, each in a fresh process, then a summary of ratios
 
 Each scenario prints a table, and writes <out>/<scenario>.json (raw numbers, ratios,
@@ -30,20 +33,22 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .measure import quiet
 from .report import Report
 
 SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1024,
            "one-big-replicated": 1024, "incremental": 1024, "async-stall": 1024,
-           "grouped-load": 1024, "coordinator-scale": 0, "tiers": 1024}
+           "grouped-load": 1024, "coordinator-scale": 0, "tiers": 1024, "cluster": 64}
 REPS = {"local-1p": 3, "s3-1p": 2, "ddp-4r-local": 2, "ddp-4r-s3": 2, "one-big-replicated": 2,
-        "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1, "tiers": 2}
+        "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1, "tiers": 2,
+        "cluster": 5}
 
 
 def _scenarios() -> dict[str, Callable[[Any], Report]]:
-    from . import coordinator_scale, scenarios_dist, scenarios_single, tiers_recovery
+    from . import cluster, coordinator_scale, scenarios_dist, scenarios_single, tiers_recovery
 
     return {
         "local-1p": scenarios_single.local_1p,
@@ -56,6 +61,7 @@ def _scenarios() -> dict[str, Callable[[Any], Report]]:
         "grouped-load": scenarios_dist.grouped_load,
         "coordinator-scale": coordinator_scale.scenario,
         "tiers": tiers_recovery.scenario,
+        "cluster": cluster.scenario,
     }
 
 
@@ -80,10 +86,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conn-mbps", type=float, default=0.0,
                    help="S3 scenarios: cap every connection to SeaweedFS at this many MB/s "
                         "(10^6 bytes/s) each way, like a remote object store's per-stream limit "
-                        "(default: no cap; give it its own --out)")
+                        "(default: no cap; give it its own --out); cluster: the miniature's "
+                        "cap instead of the profile's")
     p.add_argument("--verify", choices=["storage", "all"], default="storage",
-                   help="grouped-load: TurboReader(verify=...): chunks hashed by the rank that read "
-                        "them (default), or again by every rank that receives them")
+                   help="grouped-load: TurboReader(verify=...): chunks hashed by the rank that "
+                        "read them (default), or again by every rank that receives them")
     p.add_argument("--worlds", default="256,512,1024",
                    help="coordinator-scale: simulated world sizes (4096 takes hours and ~20 GiB)")
     p.add_argument("--workloads", default="hsdp-72b,ddp-3b", help="coordinator-scale: workloads")
@@ -91,6 +98,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="coordinator-scale: fewer model layers (a quick check)")
     p.add_argument("--shard-group", type=int, default=None,
                    help="coordinator-scale: HSDP ranks per shard group (default 64)")
+    p.add_argument("--nodes", type=int, default=4, help="cluster: nodes of 2 ranks each")
+    p.add_argument("--parts", default=None,
+                   help="cluster: comma-separated parts (default ddp,growth,recovery,stream)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="cluster: factor on the profile's link rates (default 1/400; the "
+                        "per-connection cap gets 10x it)")
     p.add_argument("--skip", action="append", default=[], help="all: scenarios to leave out")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -149,7 +162,8 @@ def summary(out: str, names: list[str]) -> str:
         for c in doc["comparisons"]:
             target = "" if c["target"] is None else \
                 f"{c['op']} {c['target']:g}  {'ok' if c['met'] else 'MISSED'}"
-            lines.append(f"{name:<20} {c['name']:<42} {c['peer_name']:<26} {c['ratio']:>7.3f}  {target}")
+            lines.append(f"{name:<20} {c['name']:<42} {c['peer_name']:<26} "
+                         f"{c['ratio']:>7.3f}  {target}")
         checks = "passed" if doc["checks_passed"] else "FAILED: " + ", ".join(
             k for k, v in doc["checks"].items() if not v)
         lines.append(f"{name:<20} correctness checks {checks}")

@@ -62,7 +62,13 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
+def peer_environment(endpoint: str, options: dict[str, Any]) -> None:
+    """s3torchconnector's CRT client takes the endpoint and credentials from the environment."""
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": options["key"],
+                       "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_REGION": REGION})
+
+
+def writer(side: str, url: str, options: dict[str, Any]) -> Any:
     if side == "ckptturbo":
         import ckptturbo as ct
 
@@ -73,7 +79,7 @@ def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
     return S3StorageWriter(REGION, url, s3client_config=S3ClientConfig(force_path_style=True))
 
 
-def _reader(side: str, url: str, options: dict[str, Any]) -> Any:
+def reader(side: str, url: str, options: dict[str, Any]) -> Any:
     if side == "ckptturbo":
         import ckptturbo as ct
 
@@ -98,9 +104,7 @@ def _peers_rank(rank: int, world: int, endpoint: str, options: dict[str, Any], r
                 size: int, reps: int) -> dict[str, Any]:
     """One rank: warm-up save and load per side, then ``reps`` alternating repetitions."""
     quiet()
-    # s3torchconnector's CRT client takes the endpoint and credentials from the environment
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": options["key"],
-                       "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_REGION": REGION})
+    peer_environment(endpoint, options)
     sd = transformer_state(size)
     expected = digests(sd)
     samples: dict[str, dict[str, list]] = {s: {"save": [], "load": []} for s in SIDES}
@@ -110,9 +114,11 @@ def _peers_rank(rank: int, world: int, endpoint: str, options: dict[str, Any], r
         for side in order:
             url = f"{root}/{side}-{world}r-{rep + 1}"
             url = url + "/ckpt" if side == "ckptturbo" else url
-            saved = _timed(rank, lambda: dcp.save(sd, storage_writer=_writer(side, url, options)))
+            saved = _timed(rank, lambda side=side, url=url: dcp.save(
+                sd, storage_writer=writer(side, url, options)))
             zero_(sd)
-            loaded = _timed(rank, lambda: dcp.load(sd, storage_reader=_reader(side, url, options)))
+            loaded = _timed(rank, lambda side=side, url=url: dcp.load(
+                sd, storage_reader=reader(side, url, options)))
             correct &= not mismatches(sd, expected)
             if rep >= 0:
                 samples[side]["save"].append(saved)
@@ -160,8 +166,9 @@ def measure(size_mb: int, ranks: list[int], reps: int, settings: list[str],
 
 def summarise(rows: list[dict[str, Any]]) -> str:
     """One line per setting, ranks and operation: medians, ranges, ratios, CPU per GiB."""
-    lines = ["| setting | ranks | op | ckptturbo median (min-max) | s3torchconnector median (min-max) "
-             "| ratio | CPU-s/GiB ckptturbo | CPU-s/GiB s3torchconnector |",
+    lines = ["| setting | ranks | op | ckptturbo median (min-max) "
+             "| s3torchconnector median (min-max) | ratio | CPU-s/GiB ckptturbo "
+             "| CPU-s/GiB s3torchconnector |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         gib = row["unique_bytes"] / (1 << 30)
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--ranks", default="1,4", help="comma-separated world sizes")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--settings", default="direct,20:40", help="direct and/or MS:MBPS, comma-separated")
+    p.add_argument("--settings", default="direct,20:40",
+                   help="direct and/or MS:MBPS, comma-separated")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="write every sample here")
     args = p.parse_args(argv)

@@ -15,10 +15,10 @@ per connection). The state is sharded: each rank holds ``size / ranks`` of its o
    (``persist=True``). The stall (``ct.save`` until ``staged``) is compared with a bare copy
    of the rank's state; the memory each node's tier holds with (1 + k) x its own shards.
 2. A second job (every node restarted) warms up with one load of each kind, then loses
-   node 1's memory before each repetition and loads the newest checkpoint with ``tiers=`` (from memory, node 1's chunks from its
-   peers), alternating with a load of the same checkpoint from the durable store alone
-   (``ct.load`` without tiers: the TurboReader). Both bit-exact; bytes from the durable
-   store counted.
+   node 1's memory before each repetition and loads the newest checkpoint with ``tiers=``
+   (from memory, node 1's chunks from its peers), alternating with a load of the same
+   checkpoint from the durable store alone (``ct.load`` without tiers: the TurboReader).
+   Both bit-exact; bytes from the durable store counted.
 3. A third job after every node's memory is lost: the newest durable checkpoint loads,
    bit-exact, and the checkpoints that were only in memory are not in the durable store.
 """
@@ -144,7 +144,7 @@ def _recover_job(rank: int, world: int, run: str, opts: dict, memory: str, per_n
                 stats = gather((from_durable, from_peers))
                 if rep < 0:
                     continue
-                samples[side].append({"seconds": t1 - t0,
+                samples[side].append({"seconds": t1 - t0, "window": [t0, t1],
                                       "bytes_from_durable": sum(d for d, _ in stats),
                                       "bytes_from_peers": sum(p for _, p in stats)})
                 if rank == 0:
@@ -177,18 +177,22 @@ def measure(size_mb: int, nodes: int, per_node: int, reps: int, workdir: str | N
     memory = tempfile.mkdtemp(prefix="ckptturbo-bench-tiers-",
                               dir="/dev/shm" if os.path.isdir("/dev/shm") else scratch)
     try:
-        with ProxyProcess(server.endpoint, latency_s=latency_ms / 1000, conn_rate=conn_mbps * 1e6) as proxy:
+        with ProxyProcess(server.endpoint, latency_s=latency_ms / 1000,
+                          conn_rate=conn_mbps * 1e6) as proxy:
             opts = proxy.storage_options(server.storage_options)
             run = server.url("tiers-bench")
             options = rank_options(world)
-            log.info("phase 1: %d tiered saves, %d nodes x %d ranks, %d MiB", STEPS, nodes, per_node, size_mb)
-            saved = run_distributed(_save_job, world, run, opts, memory, per_node, nbytes, **options)
+            log.info("phase 1: %d tiered saves, %d nodes x %d ranks, %d MiB", STEPS, nodes,
+                     per_node, size_mb)
+            saved = run_distributed(_save_job, world, run, opts, memory, per_node, nbytes,
+                                    **options)
             log.info("phase 2: node 1 lost, %d repetitions", reps)
-            recovered = run_distributed(_recover_job, world, run, opts, memory, per_node, nbytes, reps,
-                                        **options)[0]
+            recovered = run_distributed(_recover_job, world, run, opts, memory, per_node, nbytes,
+                                        reps, **options)[0]
             shutil.rmtree(memory)
             log.info("phase 3: every node lost")
-            lost = run_distributed(_whole_job_lost, world, run, opts, memory, per_node, nbytes, **options)[0]
+            lost = run_distributed(_whole_job_lost, world, run, opts, memory, per_node, nbytes,
+                                   **options)[0]
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -214,7 +218,8 @@ def report(result: dict[str, Any], params: dict[str, Any]) -> Report:
     # every rank's stall vs its own copy, the first save (pool set-up) left out
     ratios = [statistics.median(r["stalls"][1:]) / r["copy"] for r in saved]
     copy = statistics.median(r["copy"] for r in saved)
-    rep.compare("stall of a memory-tier save every step (s)", copy * statistics.median(ratios), copy, "s",
+    stall = copy * statistics.median(ratios)
+    rep.compare("stall of a memory-tier save every step (s)", stall, copy, "s",
                 peer_name="bare copy of the state", target=1.2)
     own = result["nbytes_per_rank"] * result["per_node"]  # a node's shards of one checkpoint
     held, retained = max((h for h in saved[0]["held"] if h is not None), key=lambda h: h[0] / h[1])
@@ -222,8 +227,9 @@ def report(result: dict[str, Any], params: dict[str, Any]) -> Report:
                 peer_name=f"(1 + k) x own shards x {retained}", target=1.0)
     rep.check("recovered and durable loads bit-exact", result["recovered"]["correct"])
     rep.check("whole-job loss: the newest durable checkpoint, bit-exact", result["lost"]["correct"])
-    rep.check("only the persisted checkpoint is durable", result["lost"]["durable"] == [f"step-{STEPS}"],
-              str(result["lost"]["durable"]))
+    durable = result["lost"]["durable"]
+    rep.check("only the persisted checkpoint is durable", durable == [f"step-{STEPS}"],
+              str(durable))
     return rep
 
 
@@ -231,8 +237,8 @@ def scenario(args: Any) -> Report:
     """``python -m benchmarks.run tiers``: ``--ranks`` ranks as nodes of 2 ranks."""
     per_node = 2
     nodes = max(2, args.ranks // per_node)
-    params = {"size_mb": args.size_mb, "nodes": nodes, "ranks_per_node": per_node, "reps": args.reps,
-              "proxy": "20 ms, 50 MB/s per connection"}
+    params = {"size_mb": args.size_mb, "nodes": nodes, "ranks_per_node": per_node,
+              "reps": args.reps, "proxy": "20 ms, 50 MB/s per connection"}
     return report(measure(args.size_mb, nodes, per_node, args.reps, args.workdir), params)
 
 
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     params = {"size_mb": args.size_mb, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
               "reps": args.reps, "proxy": "20 ms, 50 MB/s per connection"}
-    rep = report(measure(args.size_mb, args.nodes, args.ranks_per_node, args.reps, args.workdir), params)
+    measured = measure(args.size_mb, args.nodes, args.ranks_per_node, args.reps, args.workdir)
+    rep = report(measured, params)
     rep.finish(args.out)
     return 0 if rep.checks_passed else 1
 

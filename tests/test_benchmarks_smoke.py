@@ -82,7 +82,8 @@ def test_coordinator_scale_at_a_tiny_world(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("module, scenario", [("gpu_load", "gpu-load"), ("gpu_stream", "gpu-stream")])
+@pytest.mark.parametrize("module, scenario",
+                         [("gpu_load", "gpu-load"), ("gpu_stream", "gpu-stream")])
 def test_gpu_benchmarks_check_their_loads_on_the_cpu(tmp_path, module, scenario):
     """The GPU load benchmarks' CPU mode: the same loads, checked bit-exact (CUDA's own run
     is in docs/benchmarks.md)."""

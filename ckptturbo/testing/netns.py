@@ -112,7 +112,8 @@ class VirtualHosts:
             _ip("link", "set", self.bridge, "up")
             for host in self.hosts:
                 _ip("netns", "add", host.netns)
-                _ip("link", "add", host.link, "type", "veth", "peer", "name", INTERFACE, "netns", host.netns)
+                _ip("link", "add", host.link, "type", "veth", "peer", "name", INTERFACE,
+                    "netns", host.netns)
                 _ip("link", "set", host.link, "master", self.bridge, "up")
                 _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", INTERFACE)
                 _ip("-n", host.netns, "link", "set", INTERFACE, "up")
@@ -120,7 +121,8 @@ class VirtualHosts:
         except BaseException:
             self.close()
             raise
-        log.info("hosts %s on bridge %s (%s)", [h.address for h in self.hosts], self.bridge, self.gateway)
+        log.info("hosts %s on bridge %s (%s)", [h.address for h in self.hosts], self.bridge,
+                 self.gateway)
 
     def ranks(self, ranks_per_host: int) -> RanksOnHosts:
         return RanksOnHosts(self.hosts, ranks_per_host)
@@ -136,16 +138,40 @@ class VirtualHosts:
         """The host's link carries at most ``mbit`` Mbit/s each way (a token bucket at
         both of its ends), like a slow or congested network; None lifts the limit."""
         ends = (("tc", "qdisc"), ("tc", "-n", host.netns, "qdisc"))
-        for end, device in zip(ends, (host.link, INTERFACE)):
+        for end, device in zip(ends, (host.link, INTERFACE), strict=True):
             if mbit is None:
                 _run(*end, "del", "dev", device, "root")
             else:
                 _run(*end, "replace", "dev", device, "root", "tbf", "rate", f"{mbit}mbit",
                      "burst", "32kb", "latency", "1s")
 
+    def shape(self, host: Host, mbit: float, toward: dict[str, float] | None = None) -> None:
+        """The host's link carries at most ``mbit`` Mbit/s each way, and its traffic with
+        each address in ``toward`` at most that address's Mbit/s, within the link's rate
+        (an HTB tree at both ends: a node's NIC, with its share for the object store).
+        :meth:`limit` with None lifts it."""
+        ends = (("tc",), ("tc", "-n", host.netns))
+        for end, device, match in zip(ends, (host.link, INTERFACE), ("src", "dst"), strict=True):
+            _run(*end, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb",
+                 "default", "2", "r2q", "100")
+            _run(*end, "class", "replace", "dev", device, "parent", "1:", "classid", "1:1",
+                 "htb", "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
+            classes = [(None, mbit), *(toward or {}).items()]
+            for minor, (address, rate) in enumerate(classes, start=2):
+                _run(*end, "class", "replace", "dev", device, "parent", "1:1", "classid",
+                     f"1:{minor}", "htb", "rate", f"{rate}mbit", "ceil", f"{rate}mbit")
+                if address is not None:
+                    _run(*end, "filter", "replace", "dev", device, "parent", "1:", "protocol",
+                         "ip", "prio", "1", "u32", "match", "ip", match, f"{address}/32",
+                         "flowid", f"1:{minor}")
+
     def bytes_received(self, host: Host) -> int:
         """Bytes the network has delivered to the host (what its link's bridge end sent)."""
         return int(Path(f"/sys/class/net/{host.link}/statistics/tx_bytes").read_text())
+
+    def bytes_sent(self, host: Host) -> int:
+        """Bytes the host has sent into the network (what its link's bridge end received)."""
+        return int(Path(f"/sys/class/net/{host.link}/statistics/rx_bytes").read_text())
 
     def close(self) -> None:
         for host in self.hosts:

@@ -1,0 +1,491 @@
+"""Performance where users are: a cluster in miniature on this machine, every result as a
+ratio to its physical limit and to the peers, measured on the same topology in one run.
+
+    python -m benchmarks.run cluster [--size-mb 64] [--reps 5] [--nodes 4]
+                                     [--parts ddp,growth,recovery,stream] [--scale 0.0025]
+
+Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topology``):
+``--nodes`` nodes of 2 ranks, each a namespace whose link is shaped to the node's fabric
+rate with a share for the object store; SeaweedFS and the fault proxy (first-byte latency,
+per-connection cap) in a namespace of their own behind the store's link. Parts:
+
+ddp       8 ranks over 4 nodes hold the same state (DDP): save, then every rank loads the
+          whole state; ckptturbo vs DCP's FsspecWriter/Reader vs s3torchconnector's DCP
+          writer/reader, alternating, one unmeasured round first
+growth    ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes
+recovery  sharded state with memory tiers: node 1 lost, recovered from its peers' memory,
+          vs ckptturbo's load of the same checkpoint from the durable store
+stream    ct.stream_safetensors vs Run:ai Model Streamer, one process on node 0
+vllm      (on request, not in the default) vLLM's weights phase on node 0 with
+          load_format="ckptturbo" vs "runai_streamer", the construction ("dummy") apart
+
+Every sample's cores' utilisation is measured (/proc/stat, the whole machine, and the
+benchmark's own process tree); a result is valid only when every sample behind it was
+taken with the cores at most 70% busy. Each sample also keeps how long the deciding link
+carried its bytes and how many requests the store had in flight meanwhile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from ckptturbo.testing import netns
+from ckptturbo.testing.launcher import run_distributed
+
+from . import cluster_jobs, stream_s3, tiers_recovery
+from . import cluster_topology as topo
+from .cluster_jobs import CT, DCP_FSSPEC, S3TORCH
+from .cores import BUSY_LIMIT, CoreSampler
+from .measure import now, rank_options, rank_setup
+from .report import Report
+from .s3_peers import peer_available
+from .states import MiB
+
+log = logging.getLogger("benchmarks")
+PARTS = ("ddp", "growth", "recovery", "stream")  # the default; "vllm" on request
+RUNAI = "Run:ai"
+FLOOR = "construction (dummy)"  # vLLM's load_format="dummy": builds the model, reads nothing
+
+
+class Results:
+    """Samples by (scenario, side), each with its time, window and cores' busy fraction,
+    and each scenario's physical limit."""
+
+    def __init__(self, cores: CoreSampler) -> None:
+        self.cores = cores
+        self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        self.limits: dict[str, topo.Limit] = {}
+        self.floors: dict[str, str] = {}  # scenario -> the side that is its construction
+
+    def add(self, scenario: str, side: str, sample: dict[str, Any],
+            link: str | None = None) -> None:
+        """One sample, with the cores' busy fraction (all, and the benchmark's own) and the
+        store's requests in flight over its window; with ``link`` (a watched counter), also
+        how long that link took to carry the sample's bulk: the rest of its time is work
+        before or after the bytes move."""
+        sample = dict(sample, busy=self.cores.busy(*sample["window"]),
+                      own=self.cores.own(*sample["window"]))
+        if link is not None:
+            sample["link_s"] = self.cores.bulk_done(link, *sample["window"])
+        sample["in_flight"] = self.cores.mean("in_flight", *sample["window"])
+        self.samples.setdefault((scenario, side), []).append(sample)
+
+    def median(self, scenario: str, side: str) -> float | None:
+        got = self.samples.get((scenario, side))
+        return statistics.median(s["seconds"] for s in got) if got else None
+
+    def valid(self, scenario: str, side: str) -> bool:
+        return all(s["busy"] <= BUSY_LIMIT for s in self.samples.get((scenario, side), []))
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for (scenario, side), got in self.samples.items():
+            times = [s["seconds"] for s in got]
+            limit = self.limits[scenario]
+            median = statistics.median(times)
+            out.append({"scenario": scenario, "side": side, "median_s": median, "min_s": min(times),
+                        "max_s": max(times), "n": len(times), "limit_s": limit.seconds,
+                        "limit_link": limit.link, "over_limit": median / limit.seconds,
+                        "busy_max": max(s["busy"] for s in got),
+                        "own_max": max(s["own"] for s in got),
+                        "link_s": statistics.median(s.get("link_s", float("nan")) for s in got),
+                        "in_flight": statistics.median(s["in_flight"] for s in got),
+                        "valid": self.valid(scenario, side)})
+        return out
+
+
+# --------------------------------------------------------------------------- the parts
+def _options(cluster: topo.Cluster, world: int) -> dict[str, Any]:
+    """The benchmarks' rank options, each rank on its node; a part's job may take longer
+    than the usual 15 minutes: peers read the whole state on every rank over slow links."""
+    return dict(rank_options(world), setup=cluster.ranks(world, rank_setup), timeout=2400)
+
+
+def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> str:
+    """DDP save and whole-state load, every rank on its node, all sides alternating."""
+    world = len(cluster.nodes) * cluster.profile.ranks_per_node
+    sides = (CT, DCP_FSSPEC) + (() if peer_available() else (S3TORCH,))
+    store = cluster.store
+    out = run_distributed(cluster_jobs.ddp_rank, world, store.storage_options, store.url("ddp"),
+                          args.size_mb * MiB, args.reps, cluster.counters(), sides,
+                          **_options(cluster, world))[0]
+    unique, nodes = out["unique"], len(cluster.nodes)
+    save, load = f"DDP save {world}r/{nodes}n", f"whole-state load {world}r/{nodes}n"
+    res.limits[save] = topo.save_limit(cluster.profile, unique, nodes)
+    res.limits[load] = topo.whole_load_limit(cluster.profile, unique, nodes)
+    for s in out["samples"]:
+        res.add(save, s["side"], s["save"], "store_in")
+        res.add(load, s["side"], s["load"], "store_out")
+    ct_loads = [s["load"] for s in out["samples"] if s["side"] == CT]
+    ct_saves = [s["save"] for s in out["samples"] if s["side"] == CT]
+    report.compare(f"{load}: bytes from storage (ckptturbo's count)",
+                   max(s["bytes_from_storage"] for s in ct_loads), unique, "bytes",
+                   peer_name="unique bytes", target=1.001)
+    report.compare(f"{load}: bytes the store's link sent", max(s["link_bytes"] for s in ct_loads),
+                   unique, "bytes", peer_name="unique bytes",
+                   note="link counters: TCP/IP and HTTP headers included")
+    report.compare(f"{save}: bytes the store's link took in",
+                   max(s["link_bytes"] for s in ct_saves), unique, "bytes",
+                   peer_name="unique bytes", note="link counters: TCP/IP and HTTP headers included")
+    per_node = [[s["links"][f"node{i}_out"] for i in range(nodes)] for s in ct_saves]
+    imbalance = max(max(sent) / statistics.fmean(sent) for sent in per_node)
+    report.compare(f"{save}: max/mean bytes a node sent", imbalance, 1.0, "x",
+                   peer_name="perfect balance")
+    per = cluster.profile.ranks_per_node
+    read = [[sum(s["read_per_rank"][n * per:(n + 1) * per]) for n in range(nodes)]
+            for s in ct_loads]
+    report.compare(f"{load}: max/mean bytes a node read from the store",
+                   max(max(r) / statistics.fmean(r) for r in read), 1.0, "x",
+                   peer_name="perfect balance")
+    report.raw["ddp"] = {"unique": unique, "sides": sides}
+    report.check("ddp: every side's load equals the saved state on every rank", out["exact"])
+    if peer_available():
+        report.note(f"s3torchconnector not measured: {peer_available()}")
+    return out["ct_url"]
+
+
+def part_growth(cluster: topo.Cluster, args: Any, res: Results, report: Report, url: str) -> None:
+    """ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes (one job each)."""
+    per = cluster.profile.ranks_per_node
+    store = cluster.store
+    saved = bool(url)
+    url = url or store.url("growth/ckpt")
+    exact = True
+    for nodes in range(1, len(cluster.nodes) + 1):
+        if nodes & (nodes - 1):
+            continue  # 1, 2, 4, ... nodes
+        world = nodes * per
+        out = run_distributed(cluster_jobs.grouped_rank, world, store.storage_options, url,
+                              args.size_mb * MiB, args.reps, cluster.counters(), not saved,
+                              **_options(cluster, world))[0]
+        saved = True
+        name = f"grouped load {world}r/{nodes}n"
+        res.limits[name] = topo.whole_load_limit(cluster.profile, out["unique"], nodes)
+        for s in out["samples"]:
+            res.add(name, CT, s, "store_out")
+        exact &= out["exact"]
+    report.check("growth: every load equals the saved state on every rank", exact)
+
+
+def part_recovery(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """Tiered saves (tiers_recovery's job) on the cluster, then node 1 lost before each
+    repetition: recovery from its peers' memory vs the durable store's load."""
+    per, nodes = cluster.profile.ranks_per_node, len(cluster.nodes)
+    world = per * nodes
+    nbytes = args.size_mb * MiB // world
+    store = cluster.store
+    memory = tempfile.mkdtemp(prefix="ckptturbo-cluster-mem-",
+                              dir="/dev/shm" if os.path.isdir("/dev/shm") else cluster.scratch)
+    run, opts = store.url("tiers"), store.storage_options
+    try:
+        run_distributed(tiers_recovery._save_job, world, run, opts, memory, per, nbytes,
+                        **_options(cluster, world))
+        out = run_distributed(tiers_recovery._recover_job, world, run, opts, memory, per, nbytes,
+                              args.reps, **_options(cluster, world))[0]
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    unique = nbytes * world
+    rec, durable = f"recovery, node lost {world}r/{nodes}n", f"durable load {world}r/{nodes}n"
+    res.limits[rec] = topo.recovery_limit(cluster.profile, nbytes * per)
+    res.limits[durable] = topo.sharded_load_limit(cluster.profile, unique, nodes)
+    for s in out["samples"]["tiers"]:
+        res.add(rec, CT, s, "node1_in")
+    for s in out["samples"]["durable"]:
+        res.add(durable, CT, s, "store_out")
+    from_durable = [s["bytes_from_durable"] for s in out["samples"]["tiers"]]
+    report.check("recovery: 0 bytes from the durable store", all(b == 0 for b in from_durable),
+                 str(from_durable))
+    report.check("recovery: recovered and durable loads bit-exact", out["correct"])
+    med = res.median
+    report.compare(f"{rec} vs {durable}", med(rec, CT), med(durable, CT), "s",
+                   peer_name="ckptturbo durable load", target=0.2)
+
+
+def _upload(store: Any, url: str, directory: str) -> None:
+    """Every file of ``directory`` to ``url`` on the store, in parallel (untimed)."""
+    from ckptturbo.store import Store
+
+    remote = Store(url, store.storage_options)
+    names = sorted(os.listdir(directory))
+
+    def upload(name: str) -> None:
+        with open(os.path.join(directory, name), "rb") as f:
+            remote.put(remote.join(remote.root, name), f.read())
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(upload, names))
+
+
+def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
+    store = cluster.store
+    model = os.path.join(cluster.scratch, "model")
+    files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
+    url = store.url("model")
+    _upload(store, url, model)
+    total = sum(os.path.getsize(f) for f in files)
+    spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
+            "local_files": files, "storage_options": store.storage_options,
+            "endpoint": store.endpoint, "direct_options": store.storage_options,
+            "streams": 16, "memory_limit": 1024 * MiB}
+    python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
+                                               sys.executable)
+    name = "stream safetensors 1 process/1n"
+    res.limits[name] = topo.stream_limit(cluster.profile, total)
+    workers = {m: stream_s3.Worker(m, spec, python) for m in (CT, RUNAI)}
+    try:
+        for rep in range(args.reps):
+            for method in ((CT, RUNAI) if rep % 2 == 0 else (RUNAI, CT)):
+                t0 = now()
+                result = workers[method].run()
+                t1 = now()
+                if "unavailable" in result:
+                    report.note(f"{method} not measured: {result['unavailable']}")
+                    continue
+                res.add(name, method, {"seconds": result["seconds"], "window": [t0, t1],
+                                       "bytes": result["bytes"]}, "store_out")
+                log.info("  %-10s rep %d: %.2f s", method, rep, result["seconds"])
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """vLLM's weights phase (``load_model``) on node 0, tensor-parallel 1, in warm engine
+    processes (benchmarks.ray_vllm's): ``load_format="ckptturbo"`` vs ``runai_streamer``,
+    and ``dummy`` (builds the model, reads nothing): the construction, reported apart."""
+    from . import ray_vllm
+
+    store = cluster.store
+    hf, config_only = (os.path.join(cluster.scratch, d) for d in ("llama", "llama-config"))
+    weight_bytes = ray_vllm._tiny_llama(hf, 256, 2)
+    os.makedirs(config_only)
+    for name in os.listdir(hf):
+        if name.endswith(".json") and "safetensors" not in name:
+            shutil.copy(os.path.join(hf, name), config_only)
+    url = store.url("llama")
+    _upload(store, url, hf)
+    opts = store.storage_options
+    aws = {"AWS_ENDPOINT_URL": store.endpoint, "AWS_ACCESS_KEY_ID": store.key,
+           "AWS_SECRET_ACCESS_KEY": store.secret, "AWS_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    ways = {CT: ([config_only, "ckptturbo", json.dumps({"url": url, "storage_options": opts}), ""],
+                 {}),
+            "runai_streamer": ([url, "runai_streamer", "{}", ""], aws),
+            FLOOR: ([config_only, "dummy", "{}", ""], {})}
+    python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
+                                               sys.executable)
+    name = "vLLM weights phase TP1/1n"
+    res.limits[name] = topo.stream_limit(cluster.profile, weight_bytes)
+    res.floors[name] = FLOOR
+    workers = {}
+    try:
+        for way, (argv, env) in ways.items():
+            workers[way] = ray_vllm._EngineWorker(argv, python, env)
+        for rep in range(args.reps):
+            for way in (list(ways) if rep % 2 == 0 else list(ways)[::-1]):
+                t0 = now()
+                result = workers[way].run()
+                t1 = now()
+                if "weights_s" not in result:
+                    report.note(f"vLLM {way} not measured: {result.get('unavailable', result)}")
+                    continue
+                res.add(name, way, {"seconds": result["weights_s"], "window": [t0, t1]},
+                        "store_out")
+                log.info("  %-22s rep %d: weights phase %.2f s", way, rep, result["weights_s"])
+    finally:
+        for w in workers.values():
+            w.close()
+    floor = res.median(name, FLOOR)
+    ours, theirs = res.median(name, CT), res.median(name, "runai_streamer")
+    if floor is not None and ours is not None and theirs is not None and theirs > floor:
+        report.compare(f"{name} above construction vs runai_streamer", ours - floor,
+                       theirs - floor, "s", peer_name="runai_streamer above construction")
+
+
+# --------------------------------------------------------------------------- the report
+PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05,
+                "vLLM weights phase": 0.6}
+
+
+class ClusterReport(Report):
+    """The standard report, plus a table of every (scenario, side) against its physical
+    limit and a plot of time / limit, ckptturbo beside each peer."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__("cluster", params)
+        self.rows: list[dict[str, Any]] = []
+
+    def table(self) -> str:
+        head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
+                f"{'t/limit':>8} {'link s':>7} {'reqs':>5} {'cores':>6} {'ours':>5}  valid  "
+                "limit's link")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
+                         f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
+                         f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['in_flight']:>5.1f} "
+                         f"{r['busy_max']:>6.0%} {r['own_max']:>5.0%}  "
+                         f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
+        return "\n".join(lines) + "\n\n" + super().table()
+
+    def markdown(self) -> str:
+        """The rows and comparisons as Markdown tables (for docs/benchmarks.md)."""
+        lines = ["| scenario | side | median s (min-max) | limit s | time / limit | link s | "
+                 "requests in flight | cores busy (max) | of which ours | valid |",
+                 "|---" * 10 + "|"]
+        for r in self.rows:
+            lines.append(f"| {r['scenario']} | {r['side']} | {r['median_s']:.2f} ({r['min_s']:.2f}-"
+                         f"{r['max_s']:.2f}) | {r['limit_s']:.2f} | **{r['over_limit']:.2f}** | "
+                         f"{r['link_s']:.2f} | {r['in_flight']:.1f} | {r['busy_max']:.0%} | "
+                         f"{r['own_max']:.0%} | "
+                         f"{'yes' if r['valid'] else 'no'} |")
+        lines += ["", "| measure | ckptturbo | peer | ratio | target |", "|---|---|---|---|---|"]
+        for c in self.comparisons:
+            verdict = "ok" if c.met else "MISSED"
+            target = "" if c.target is None else f"{c.op} {c.target:g} {verdict}"
+            lines.append(f"| {c.name} | {c.ours:.4g} | {c.peer:.4g} ({c.peer_name}) | "
+                         f"**{c.ratio:.3f}** | {target} |")
+        return "\n".join(lines) + "\n"
+
+    def finish(self, out_dir: str) -> dict[str, Any]:
+        doc = super().finish(out_dir)
+        with open(os.path.join(out_dir, "cluster.md"), "w") as f:
+            f.write(self.markdown())
+        return doc
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        scenarios = list(dict.fromkeys(r["scenario"] for r in self.rows))
+        sides = list(dict.fromkeys(r["side"] for r in self.rows))
+        width = 0.8 / max(1, len(sides))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(scenarios)), 4.2))
+        colours = ["#2a7ab0", "#bbbbbb", "#e69f00", "#8fbc8f"]
+        for k, side in enumerate(sides):
+            label: str | None = side
+            for i, scenario in enumerate(scenarios):
+                row = next((r for r in self.rows
+                            if r["scenario"] == scenario and r["side"] == side), None)
+                if row is None:
+                    continue
+                bar = ax.bar(i + k * width, row["over_limit"], width, color=colours[k % 4],
+                             hatch="" if row["valid"] else "//", edgecolor="black", linewidth=0.4,
+                             label=label)
+                label = None
+                ax.annotate(f"{row['over_limit']:.2f}",
+                            (bar[0].get_x() + width / 2, row["over_limit"]),
+                            ha="center", va="bottom", fontsize=6)
+        ax.axhline(1.3, color="red", linestyle="--", linewidth=0.8, label="target 1.3x limit")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))])
+        ax.set_xticklabels(scenarios, fontsize=7, rotation=15, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("time / physical limit (log)")
+        ax.set_title("cluster in miniature (hatched: cores > 70% busy, not valid)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _compare_all(report: ClusterReport, res: Results) -> None:
+    """Every ckptturbo result against its limit, and against each peer on the same scenario."""
+    report.rows = res.rows()
+    for scenario, limit in res.limits.items():
+        ours = res.median(scenario, CT)
+        if ours is None:
+            continue
+        valid = "" if res.valid(scenario, CT) else "NOT VALID: cores > 70% busy"
+        floor = res.floors.get(scenario)
+        if floor is None:
+            report.compare(f"{scenario}: time / physical limit", ours, limit.seconds, "s",
+                           peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+        elif res.median(scenario, floor) is not None:
+            report.compare(f"{scenario} above {floor}: time / physical limit",
+                           ours - res.median(scenario, floor), limit.seconds, "s",
+                           peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+        peers = {side: res.median(scenario, side) for (s, side) in res.samples
+                 if s == scenario and side not in (CT, floor)}
+        target = next((t for prefix, t in PEER_TARGETS.items() if scenario.startswith(prefix)),
+                      None)
+        best = min(peers, key=lambda side: peers[side]) if peers else None
+        for side, theirs in peers.items():
+            report.compare(f"{scenario} vs {side}", ours, theirs, "s", peer_name=side,
+                           target=target if side == best else None, note=valid)
+    growth = sorted((int(s.split()[2].split("r/")[0]), s) for s in res.limits
+                    if s.startswith("grouped load"))
+    if len(growth) >= 2:
+        (few, small), (many, big) = growth[0], growth[-1]
+        report.compare(f"grouped load growth {few} -> {many} ranks", res.median(big, CT),
+                       res.median(small, CT), "s", peer_name=f"ckptturbo {few} ranks", target=1.25)
+
+
+def _keep_partial(out: str, res: Results) -> None:
+    """Every row so far, after each part (a run cut short still leaves its numbers)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cluster-partial.json"), "w") as f:
+        json.dump({"rows": res.rows(), "limits": {k: v.to_json() for k, v in res.limits.items()}},
+                  f, indent=1)
+
+
+def scenario(args: Any) -> Report:
+    """``python -m benchmarks.run cluster``: build the cluster, run the parts, take it down."""
+    parts = [p for p in (args.parts or ",".join(PARTS)).split(",") if p]
+    unknown = set(parts) - {*PARTS, "vllm"}
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}, vllm")
+    profile = topo.PROFILE.scaled(args.scale)
+    if args.conn_mbps:  # the per-connection cap in the miniature, instead of the profile's
+        profile = replace(profile, conn_scale=args.conn_mbps * topo.MB / profile.conn)
+    report = ClusterReport({"size_mb": args.size_mb, "reps": args.reps, "nodes": args.nodes,
+                            "parts": parts, "profile": profile.describe()})
+    why = netns.available()
+    if why:
+        report.check(f"the cluster could be built ({why})", False)
+        return report
+    with CoreSampler() as cores:
+        res = Results(cores)
+        cluster = topo.Cluster(args.nodes, profile, args.workdir)
+        cores.watch(cluster.counters(),
+                    lambda: {"in_flight": cluster.store.stats()["in_flight"]})
+        try:
+            url = ""
+            for part in parts:
+                log.info("part %s", part)
+                if part == "ddp":
+                    url = part_ddp(cluster, args, res, report)
+                elif part == "growth":
+                    part_growth(cluster, args, res, report, url)
+                elif part == "recovery":
+                    part_recovery(cluster, args, res, report)
+                elif part == "stream":
+                    part_stream(cluster, args, res, report)
+                else:
+                    part_vllm(cluster, args, res, report)
+                _keep_partial(args.out, res)
+        finally:
+            cores.unwatch()
+            cluster.close()
+        left = cluster.leftovers()
+        report.check("nothing left behind (namespaces, links, store processes)", not left,
+                     str(left))
+    _compare_all(report, res)
+    report.raw["rows"] = report.rows
+    report.raw["limits"] = {k: v.to_json() for k, v in res.limits.items()}
+    report.raw["samples"] = [{"scenario": sc, "side": side, **s}
+                             for (sc, side), got in res.samples.items() for s in got]
+    if "vllm" not in parts:
+        report.note("vLLM weights phase: not measured (part vllm, on request)")
+    return report
