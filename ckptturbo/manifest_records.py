@@ -25,6 +25,7 @@ DTYPE_ITEMSIZES = {
     "quint4x2": 1, "quint2x4": 1, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
     "bits16": 2, "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1,
     "float8_e4m3fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "bcomplex32": 4,  # torch 2.14
     **{f"{kind}{bits}": 1 for kind in ("uint", "int") for bits in range(1, 8)},
 }
 
