@@ -24,7 +24,7 @@ from .planner import on_group
 from .results import SaveSummary
 from .runtime import Runtime, single_process
 from .staging import SaveHandle
-from .urls import parent_url, url_key
+from .urls import options_key, parent_url, url_key
 from .writer import TurboWriter
 
 
@@ -33,8 +33,7 @@ def kept_writer(runtime: Runtime, url: str, storage_options: dict[str, Any] | No
     """One writer per run and settings, kept by the runtime so that its pool and plan
     cache are reused (``Runtime.kept``)."""
     run = parent_url(url_key(url))
-    key = (run, collective, repr(sorted((storage_options or {}).items())),
-           repr(sorted(options.items())))
+    key = (run, collective, options_key(storage_options), options_key(options))
     return runtime.kept(key, lambda: TurboWriter(url, storage_options, snapshot=True,
                                                  session=runtime, **options))
 

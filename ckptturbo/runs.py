@@ -25,6 +25,7 @@ from .paths import (
     RUN_STORE,
     chunk_relpath,
 )
+from .urls import options_key
 
 MAX_MANIFEST_BYTES = 1 << 30  # a larger manifest is refused unread
 log = logging.getLogger(__name__)
@@ -61,8 +62,7 @@ class RunStore:
     @property
     def key(self) -> tuple[str, str]:
         """Names this store across writers: its URL and the options that reach it."""
-        return (self.store.url_of(self.chunks_root),
-                repr(sorted(self.store.storage_options.items())))
+        return (self.store.url_of(self.chunks_root), options_key(self.store.storage_options))
 
     def chunk_path(self, cid: str) -> str:
         return self.store.join(self.chunks_root, chunk_relpath(cid))

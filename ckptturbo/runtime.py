@@ -38,7 +38,7 @@ from .chunk_store import use_default_opener
 from .errors import CkptTurboError
 from .retry import seconds_setting
 from .store import Store
-from .urls import covers, url_key
+from .urls import covers, options_key, url_key
 
 if TYPE_CHECKING:
     from .runs import RunStore
@@ -119,8 +119,7 @@ class Runtime:
         recently used; its requests run on this runtime's pool of its endpoint."""
         # the spelling too (a store's messages name its URL as given), and the location
         # (a relative path names another directory once the working directory changes)
-        key = (str(url), url_key(url), repr(sorted((storage_options or {}).items())),
-               repr(sorted(settings.items())))
+        key = (str(url), url_key(url), options_key(storage_options), options_key(settings))
         with self._lock:
             found = self._stores.get(key)
             if found is not None:

@@ -31,6 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .chunk_store import ObjectInfo, default_opener
 from .errors import CheckpointNotFound, ShortReadError, StorageError
 from .retry import RetryPolicy, is_past_the_end
+from .urls import options_key
 
 T = TypeVar("T")
 
@@ -139,7 +140,7 @@ class Store:
         self.protocol = protocol
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = self.root.rstrip("/") or "/"
-        self.endpoint = (protocol, repr(sorted(self.storage_options.items())))
+        self.endpoint = (protocol, options_key(self.storage_options))
         self.policy = RetryPolicy(self.url, self.url_of, retries=retries, backoff=backoff,
                                   request_timeout=request_timeout, deadline=deadline,
                                   outage_cooldown=outage_cooldown)

@@ -33,6 +33,12 @@ def covers(key: str, target: str, under: bool) -> bool:
     return key == target or (under and key.startswith(target + "/"))
 
 
+def options_key(options: dict[str, Any] | None) -> str:
+    """One spelling of a dict of options (storage options, writer settings), for the keys
+    that tell two stores, endpoints or writers apart; None is no options."""
+    return repr(sorted((options or {}).items()))
+
+
 def parent_url(url: Any) -> str:
     """The URL one level up (a checkpoint's run); a URL without a ``/`` is its own."""
     return str(url).rstrip("/").rsplit("/", 1)[0]
