@@ -204,8 +204,8 @@ class WeightUpdate:
         """The new checkpoint's content keys (None: safetensors, no keys) and its changes
         against what this worker serves."""
         try:
-            versions = {name: version.key for name, version
-                        in ct.tensor_versions(self.url, self.storage_options).items()}
+            found = ct.tensor_versions(self.url, storage_options=self.storage_options)
+            versions = {name: version.key for name, version in found.items()}
         except CheckpointKindError:
             options = LoaderOptions(self.url, self.storage_options or {},
                                     memory_limit=self.memory_limit)
