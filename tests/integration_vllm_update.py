@@ -9,8 +9,10 @@ byte-counting proxy (``control`` is its port) to that outage for the step.
 
 Writes ``{"loaded": record, "steps": [record, ...]}`` to OUT_FILE, where a record is
 ``{"error": str|None, "bytes": int, "seconds": float, "version": str, "tokens": [[...]],
-"weights": {name: tensor}}``: the weights and greedy tokens after the step, so the test
-can compare them with a fresh engine's and with the previous step's.
+"logprobs": [[...]], "weights": {name: tensor}}``: the weights, greedy tokens and their
+logprobs after the step, so the test can compare them with a fresh engine's and with the
+previous step's (on vLLM's CPU build linear layers are repacked after loading and their
+parameters read empty: the logprobs show what the weights compute).
 """
 from __future__ import annotations
 
@@ -23,11 +25,18 @@ from typing import Any
 PROMPTS = [[1, 5, 7, 9], [3, 141, 59, 26, 53]]
 
 
+def parameters(model: Any) -> dict[str, Any]:
+    """A worker's visible parameters (by reference: TP workers import this module)."""
+    return {n: p.detach().to("cpu").clone() for n, p in model.named_parameters()}
+
+
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     out = sys.argv[2]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # TP workers unpickle the function by its module's name, which __main__ is not
+    import integration_vllm_update as importable
     import torch
     from vllm import LLM, SamplingParams
 
@@ -41,15 +50,18 @@ def main() -> None:
               enforce_eager=True, max_model_len=128, max_num_seqs=2, seed=0,
               tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
               weight_transfer_config={"backend": "ckptturbo"})
-    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=0)
 
     def record(error: str | None, fetched: int, seconds: float) -> dict[str, Any]:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        (weights, *_) = llm.apply_model(
-            lambda model: {n: p.detach().to("cpu").clone() for n, p in model.named_parameters()})
+        (weights, *_) = llm.apply_model(importable.parameters)
         return {"error": error, "bytes": fetched, "seconds": seconds,
                 "version": llm.get_weight_version(),
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs], "weights": weights}
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "logprobs": [[step[token].logprob for token, step
+                              in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                             for o in outputs],
+                "weights": weights}
 
     result: dict[str, Any] = {"loaded": record(None, 0, 0.0), "steps": []}
     for step in spec["steps"]:
