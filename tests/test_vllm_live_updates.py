@@ -285,3 +285,28 @@ def test_tensor_parallel_update_reads_once(s3_server, live_run, tmp_path):
     for step, name in ((to_base, "base"), (to_next, "next")):
         assert 0.9 * once[name] <= step["bytes"] < 1.2 * once[name], (name, step["bytes"], once)
 
+
+
+# --------------------------------------------------------------------------- the example
+
+@pytest.mark.timeout(300)
+def test_rl_example_updates_by_deltas(tmp_path):
+    """examples/rl_live_updates.py at a small size: every update lands, the trained tensors
+    arrive as deltas, the frozen ones are not read, and an update reads less than the
+    model."""
+    out = tmp_path / "updates.json"
+    example = os.path.join(os.path.dirname(TESTS), "examples", "rl_live_updates.py")
+    proc = subprocess.run([sys.executable, example, "--url", str(tmp_path / "run"),
+                           "--steps", "4", "--every", "2", "--hidden", "128", "--layers", "2",
+                           "--out", str(out)],
+                          env=_scratch_env(tmp_path), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = json.loads(out.read_text())
+    assert [r["step"] for r in records] == [2, 4]
+    model_bytes = sum(v.nbytes for v in ct.tensor_versions(str(tmp_path / "run" / "step-4"))
+                      .values())
+    for r in records:
+        assert r["version"] == f"step-{r['step']}"
+        assert r["deltas"] > 0 and r["unchanged"] > 0, r
+        assert r["full"] + r["deltas"] + r["unchanged"] == 21, r
+        assert 0 < r["bytes_read"] < model_bytes / 2, (r, model_bytes)
