@@ -308,7 +308,8 @@ class CkptTurboModelLoader(BaseModelLoader):
             versions = None
             if opened.kind == "checkpoint":
                 versions = {name: v.key for name, v in
-                            ct.tensor_versions(self.options.url, self.options.storage_options)
+                            ct.tensor_versions(self.options.url,
+                                                 storage_options=self.options.storage_options)
                             .items()}
             ServedWeights().remember(model, self.options.url, versions, kept)
         if loaded is not None and model_config.quantization is None:

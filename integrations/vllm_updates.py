@@ -204,32 +204,37 @@ class WeightUpdate:
         """The new checkpoint's content keys (None: safetensors, no keys) and its changes
         against what this worker serves."""
         try:
-            versions = {name: version.key for name, version
-                        in ct.tensor_versions(self.url, self.storage_options).items()}
+            found = ct.tensor_versions(self.url, storage_options=self.storage_options)
         except CheckpointKindError:
             options = LoaderOptions(self.url, self.storage_options or {},
                                     memory_limit=self.memory_limit)
             return None, (_Whole(name, tensor) for name, tensor
                           in Weights(options, self.group).start())
+        for name, version in found.items():  # from the manifest, before a byte is read
+            self._check(served, name, version.shape, version.dtype)
+        versions = {name: version.key for name, version in found.items()}
         changes = ct.load_changes(self.url, served.keys_for(versions), process_group=self.group,
                                   storage_options=self.storage_options,
                                   memory_limit=self.memory_limit)
         return versions, changes
 
     def _checked(self, served: ServedWeights, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` if the served model has a tensor of that name, shape and dtype (any,
-        when no host copy is held: a model loaded without ckptturbo)."""
+        self._check(served, name, tuple(tensor.shape), tensor.dtype)
+        return tensor
+
+    def _check(self, served: ServedWeights, name: str, shape: tuple[int, ...],
+               dtype: torch.dtype) -> None:
+        """The served model has a tensor of that name, shape and dtype (any, when no host
+        copy is held: a model loaded without ckptturbo)."""
         if not served.host:
-            return tensor
+            return
         old = served.host.get(name)
         if old is None:
             raise MismatchError(f"{self.url}: tensor {name!r} is not a tensor of the served "
                                 f"model ({served.url})")
-        if old.shape != tensor.shape or old.dtype != tensor.dtype:
-            raise MismatchError(f"{self.url}: tensor {name!r} is {tuple(tensor.shape)} "
-                                f"{tensor.dtype}, the served model's is {tuple(old.shape)} "
-                                f"{old.dtype}")
-        return tensor
+        if tuple(old.shape) != tuple(shape) or old.dtype != dtype:
+            raise MismatchError(f"{self.url}: tensor {name!r} is {tuple(shape)} {dtype}, the "
+                                f"served model's is {tuple(old.shape)} {old.dtype}")
 
     def _swap(self, feed: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layerwise reload of the layers in ``feed`` (the others keep their
