@@ -30,8 +30,8 @@ host copy (the checkpoint's bytes, per worker) plus the changed tensors while st
 
 vLLM runs the update between two model steps, on every worker at the same boundary, so no
 forward pass sees a half-written model: requests in flight are served by the old weights
-up to the update and by the new ones after it (``/pause`` first for requests that must
-see one version only).
+up to the update and by the new ones after it (``/pause?mode=wait`` first for requests
+that must see one version only).
 """
 from __future__ import annotations
 
