@@ -57,15 +57,17 @@ def read_manifest(runtime: Runtime, url: str,
                   storage_options: dict[str, Any] | None) -> tuple[Location, Manifest]:
     """A checkpoint's manifest (after a save of it in flight here); a safetensors location
     raises CheckpointKindError, a missing checkpoint CheckpointNotFound."""
+    kind = CheckpointKindError(f"{url}: holds safetensors, not a ckptturbo checkpoint: "
+                               "stream it with ct.stream_safetensors")
+    if url.rstrip("/").endswith(".safetensors"):
+        raise kind
     wait_for_saves(url)
     location = Location(url, storage_options, session=runtime)
     try:
         return location, location.read_manifest()
     except CheckpointNotFound:
-        if url.rstrip("/").endswith(".safetensors") or any(
-                f.path.endswith(".safetensors") for f in location.store.list_files(location.path)):
-            raise CheckpointKindError(f"{url}: holds safetensors, not a ckptturbo checkpoint: "
-                                      "stream it with ct.stream_safetensors") from None
+        if any(f.path.endswith(".safetensors") for f in location.store.list_files(location.path)):
+            raise kind from None
         raise
 
 
