@@ -198,7 +198,8 @@ def test_load_changes_yields_only_what_the_server_lacks(tmp_path):
         assert same_bits(w, states[3]["model"][name.split(".")[1]])
 
     unknown = {"model.w0": "0" * 64}  # a version not in the chain, the others not served
-    changes = {c.name: c for c in ct.load_changes(latest, unknown, names=["model.w0", "model.bias"])}
+    names = ["model.w0", "model.bias"]
+    changes = {c.name: c for c in ct.load_changes(latest, unknown, names=names)}
     assert {n: c.kind for n, c in changes.items()} == {"model.w0": "full", "model.bias": "full"}
     assert same_bits(changes["model.w0"].tensor, states[3]["model"]["w0"])
 
@@ -269,3 +270,22 @@ def test_grouped_load_changes_reads_each_changed_chunk_once(s3_server):
     # would be 2x payload_bytes), with some HTTP headers
     assert payload_bytes <= down < 1.2 * payload_bytes + 2 * manifest_bytes + 50_000, (
         down, payload_bytes)
+
+
+def _load_row_shards(rank: int, world: int, url: str, want: torch.Tensor) -> bool:
+    """A DTensor template sharded by rows: each rank reads its rows of a delta record."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    template = distribute_tensor(torch.zeros(ROWS, COLS, dtype=torch.bfloat16), mesh, [Shard(0)])
+    out = ct.load_state_dict(url, templates={"model.w1": template})
+    rows = ROWS // world
+    return same_bits(out["model"]["w1"].to_local(), want[rank * rows:(rank + 1) * rows])
+
+
+def test_sharded_templates_read_their_boxes_of_a_delta_record(tmp_path):
+    run = str(tmp_path / "run")
+    states = save_chain(run, 2)
+    assert run_distributed(_load_row_shards, 2, f"{run}/step-2", states[2]["model"]["w1"],
+                           timeout=240) == [True, True]
