@@ -60,10 +60,12 @@ class DeltaPlan:
 
 
 def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_store: str,
-            storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], DeltaPlan]:
+            storage_options: dict[str, Any] | None
+            ) -> tuple[dict[str, Any], DeltaPlan | None]:
     """The state dict DCP saves (payloads in place of the tensors stored as deltas) and the
-    plan of the commit. ``chunk_store``: the URL of the new checkpoint's chunks (its
-    ``Location``'s ``chunks_root``), where the base's chunks must be."""
+    plan of the commit (None: no tensor is, the save is a plain one). ``chunk_store``: the
+    URL of the new checkpoint's chunks (its ``Location``'s ``chunks_root``), where the
+    base's chunks must be."""
     manifest = read_manifest(runtime, base_url, storage_options)[1]
     location = Location.for_manifest(base_url, storage_options, manifest, session=runtime)
     chunks_url = location.chunk_store.url_of(location.chunks_root)
@@ -87,9 +89,11 @@ def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_s
             batch, held = {}, 0
     if batch:
         _compare(runtime, base_url, storage_options, manifest, batch, flat, bases)
-    log.info("delta save over %s: %d of %d tensors as deltas, %d unchanged", base_url,
+    log.info("delta save over %s: %d of %d entries as deltas, %d unchanged", base_url,
              sum(b.payload for b in bases.values()), len(flat),
              sum(not b.payload for b in bases.values()))
+    if not bases:  # a plain save
+        return state_dict, None
     return unflatten_state_dict(flat, mapping), DeltaPlan(bases, manifest.chunks)
 
 

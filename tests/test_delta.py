@@ -205,6 +205,18 @@ def test_load_changes_yields_only_what_the_server_lacks(tmp_path):
 
     batches = list(ct.load_changes(latest, {}, memory_limit=1))  # one tensor per batch
     assert len(batches) == 4
+    with ct.Session() as session:  # the operations are the session's methods too
+        assert session.tensor_versions(latest) == versions[3]
+        assert list(session.load_changes(latest, {k: v.key for k, v in versions[3].items()})) == []
+
+
+def test_inspect_counts_the_payloads_of_each_tensor(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    save_chain(run, 2)
+    assert cli_main(["inspect", "--json", f"{run}/step-2"]) == 0
+    tensors = {t["name"]: t for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert tensors["model.w0"]["deltas"] == 2 and tensors["model.bias"]["deltas"] == 0
+    assert tensors["model.w0"]["bytes"] == ROWS * COLS * 2
 
 
 def test_load_changes_refuses_other_kinds_and_missing_checkpoints(tmp_path):
