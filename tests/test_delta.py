@@ -19,7 +19,7 @@ from ckptturbo.cli import main as cli_main
 from ckptturbo.errors import CheckpointKindError, CheckpointNotFound, FormatError, IntegrityError
 from ckptturbo.manifest_delta import MAX_CHAIN
 from ckptturbo.runs import Location
-from ckptturbo.testing.fault_proxy import FaultProxy
+from ckptturbo.testing.fault_proxy import FaultProxy, Outage
 from ckptturbo.testing.launcher import run_distributed
 
 ROWS, COLS = 1024, 1024  # a 2 MiB bf16 matrix: chunks of its own, payloads packed
@@ -301,3 +301,17 @@ def test_sharded_templates_read_their_boxes_of_a_delta_record(tmp_path):
     states = save_chain(run, 2)
     assert run_distributed(_load_row_shards, 2, f"{run}/step-2", states[2]["model"]["w1"],
                            timeout=240) == [True, True]
+
+
+def test_an_outage_is_a_storage_error_from_the_iterator(s3_server, monkeypatch):
+    monkeypatch.setenv("CKPTTURBO_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("CKPTTURBO_DEADLINE", "4")
+    monkeypatch.setenv("CKPTTURBO_OUTAGE_COOLDOWN", "30")
+    run = s3_server.url("delta-outage")
+    with FaultProxy(s3_server.endpoint) as proxy, ct.Session() as session:
+        opts = proxy.storage_options(s3_server.storage_options)
+        session.save(base_state(), f"{run}/step-0", storage_options=opts).durable.result()
+        changes = session.load_changes(f"{run}/step-0", {}, storage_options=opts)
+        proxy.set_outage(Outage.REFUSE)
+        with pytest.raises(ct.StorageError):
+            next(changes)
