@@ -149,13 +149,19 @@ def test_rebase_rule_stores_in_full(tmp_path):
     run = str(tmp_path / "run")
     sd = {"w": torch.randn(64, 64).to(torch.bfloat16)}
     ct.save(sd, f"{run}/s0").durable.result()
+    saved = [sd]
     for i in range(1, MAX_CHAIN + 2):
         sd = {"w": sd["w"].clone()}
         sd["w"][i, :3] += 1
         ct.save(sd, f"{run}/s{i}", delta_from=f"{run}/s{i - 1}").durable.result()
+        saved.append(sd)
         chain = ct.tensor_versions(f"{run}/s{i}")["w"].chain
         assert len(chain) == (i if i <= MAX_CHAIN else 0), i
         assert same_bits(ct.load_state_dict(f"{run}/s{i}")["w"], sd["w"])
+    # unchanged over a delta record: the same record, the same version, nothing written
+    h = ct.save(saved[2], f"{run}/again", delta_from=f"{run}/s2")
+    assert h.wait().bytes_written == 0
+    assert ct.tensor_versions(f"{run}/again") == ct.tensor_versions(f"{run}/s2")
     dense = {"w": sd["w"] + 1}  # every element changes: a payload would not be smaller
     ct.save(dense, f"{run}/dense", delta_from=f"{run}/s1").durable.result()
     assert manifest_doc(f"{run}/dense")["items"]["w"][0] == "tensor"
