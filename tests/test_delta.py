@@ -321,3 +321,18 @@ def test_an_outage_is_a_storage_error_from_the_iterator(s3_server, monkeypatch):
         proxy.set_outage(Outage.REFUSE)
         with pytest.raises(ct.StorageError):
             next(changes)
+
+
+def _collective_delta_save(rank: int, world: int, run: str) -> str:
+    try:
+        ct.save({"w": torch.zeros(4)}, f"{run}/step-1", delta_from=f"{run}/step-0")
+    except ct.CkptTurboError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_collective_delta_save_of_several_ranks_is_refused_at_once(tmp_path):
+    run = str(tmp_path / "run")
+    ct.save({"w": torch.zeros(4)}, f"{run}/step-0").durable.result()
+    for message in run_distributed(_collective_delta_save, 2, run, timeout=120):
+        assert "one process" in message, message
