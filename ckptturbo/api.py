@@ -1,7 +1,7 @@
 """ct.save / ct.load / ct.load_state_dict / ct.delete / ct.exists / ct.list_checkpoints /
-ct.collect_garbage: the operations of ``ckptturbo.operations`` run on the process's
-default session. Their signatures and docstrings are the operations' own (written once,
-there)."""
+ct.collect_garbage / ct.tensor_versions / ct.load_changes: the operations of
+``ckptturbo.operations`` run on the process's default session. Their signatures and
+docstrings are the operations' own (written once, there)."""
 from __future__ import annotations
 
 import functools
@@ -34,3 +34,5 @@ delete = _on_the_default_session(operations.delete)
 exists = _on_the_default_session(operations.exists)
 list_checkpoints = _on_the_default_session(operations.list_checkpoints)
 collect_garbage = _on_the_default_session(operations.collect_garbage)
+tensor_versions = _on_the_default_session(operations.tensor_versions)
+load_changes = _on_the_default_session(operations.load_changes)

@@ -15,6 +15,11 @@ stream, so the copy of one chunk overlaps the GETs of the next; the caller's str
 for them before an item is handed to the planner. The same code runs on the CPU, where
 every copy is a plain one.
 
+A delta shard (``ct.save(..., delta_from=...)``) is read whole, its base and payloads,
+into a staging buffer; once complete, its payloads are applied to the base there
+(``delta_codec``) before the requested box is copied out, so every load path reconstructs
+it without knowing.
+
 Dtypes follow DCP's ``FileSystemReader``: bytes are read as the stored dtype and
 ``copy_``-ed into the destination, so a bf16 target of an fp32 checkpoint is cast. Objects
 reach the planner only in a form proven safe to unpickle (see :func:`safe_object`).
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from . import delta_codec
 from .errors import CkptTurboError, FormatError, MismatchError
 from .manifest_records import ShardRecord
 from .plan import box_span, overlapping, row_major_strides
@@ -77,9 +83,10 @@ class Job:
 
 
 def item_span(shard: ShardRecord, item: ReadItem) -> tuple[int, int]:
-    """The byte range of the shard that holds the requested box (all of it for bytes)."""
-    if item.type == LoadItemType.BYTE_IO:
-        return 0, shard.nbytes
+    """The byte range of the shard that holds the requested box (all of it for bytes and for
+    a delta shard, whose base and payloads are all needed)."""
+    if item.type == LoadItemType.BYTE_IO or shard.deltas:
+        return 0, shard.stored_bytes
     return box_span(shard.sizes, shard.nbytes, item.storage_offsets, item.lengths)
 
 
@@ -97,7 +104,8 @@ def make_job(item: ReadItem, shard: ShardRecord, stored_dtype: torch.dtype | Non
     if tuple(target.shape) != tuple(item.lengths):
         raise MismatchError(f"{fqn!r}: destination box {tuple(target.shape)} does not match "
                             f"the stored box {tuple(item.lengths)}")
-    full = (start, end) == (0, shard.nbytes) and tuple(item.lengths) == tuple(shard.sizes)
+    full = ((start, end) == (0, shard.nbytes) and tuple(item.lengths) == tuple(shard.sizes)
+            and not shard.deltas)
     if full and target.dtype == stored and target.is_contiguous():
         dest = target.reshape(-1).view(torch.uint8)
         return Job(item, shard, start, end, target, dest, stored, direct=True)
@@ -170,10 +178,30 @@ def finish_job(job: Job, planner: LoadPlanner, allow_pickle: bool, url: str,
     assert target is not None
     copier.finish(target.device)  # the caller's stream waits for the copies into dest
     if not job.direct and target.numel():
+        shard, first = job.shard, 0
+        if shard.deltas:
+            value = applied_deltas(job.dest, shard, job.dtype or target.dtype,
+                                   f"{item.dest_index.fqn!r} in {url}")
+            first = box_span(shard.sizes, shard.nbytes, item.storage_offsets, item.lengths)[0]
+            job.dest = value.view(torch.uint8)
         flat = job.dest.view(job.dtype or target.dtype)
-        src = torch.as_strided(flat, tuple(item.lengths), row_major_strides(job.shard.sizes), 0)
-        target.copy_(src)
+        strides = row_major_strides(shard.sizes)
+        target.copy_(torch.as_strided(flat, tuple(item.lengths), strides,
+                                      first // flat.element_size()))
     planner.commit_tensor(item, target)
+
+
+def applied_deltas(data: torch.Tensor, shard: ShardRecord, dtype: torch.dtype,
+                   where: str) -> torch.Tensor:
+    """A delta shard's value, flat: its base (the first ``nbytes`` of ``data``, its stored
+    bytes) with each payload after it applied in order, in place."""
+    value = data[:shard.nbytes].view(dtype)
+    pos = shard.nbytes
+    for length in shard.deltas:
+        mask, values = delta_codec.split(data[pos:pos + length], value.numel(), dtype, where)
+        delta_codec.apply(value, mask, values)
+        pos += length
+    return value
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()

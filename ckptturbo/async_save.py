@@ -18,7 +18,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .errors import SaveInProgress
+from . import delta_save
+from .errors import CkptTurboError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
 from .planner import on_group
 from .results import SaveSummary
@@ -42,12 +43,14 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
              handle: SaveHandle, *, process_group: Any, collective: bool,
              storage_options: dict[str, Any] | None, planner: Any, wait_previous: bool,
              writer_options: dict[str, Any],
-             after_commit: Callable[[Any, SaveSummary], None] | None = None) -> SaveHandle:
+             after_commit: Callable[[Any, SaveSummary], None] | None = None,
+             delta_from: str | None = None) -> SaveHandle:
     """Run DCP's save of ``state_dict`` to ``target`` on a thread the session tracks as a
     save of ``url``. Without ``after_commit`` the commit resolves ``durable``; with it (a
     tiered save, whose target is the memory tier) ``after_commit(group, summary)`` runs on
     the same thread and resolves the handle's futures. A failure resolves every future
-    not yet resolved with the same ckptturbo error."""
+    not yet resolved with the same ckptturbo error. ``delta_from``: a delta save over
+    that checkpoint (``delta_save``; one process saves)."""
     with ckptturbo_errors("saving", url):  # options the writer does not take
         writer = kept_writer(session, target, storage_options, writer_options, collective)
     previous = [h for h in session.saves_of(writer) if not _gate(h).done()]
@@ -58,6 +61,10 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
         with contextlib.suppress(Exception):  # its failure belongs to its own handle
             _gate(previous[-1]).exception()
     grouped = collective and dist.is_initialized()
+    if delta_from is not None and grouped and dist.get_world_size(process_group) > 1:
+        raise CkptTurboError(f"saving {url} with delta_from: a delta save is made by one "
+                             "process (collective=False, or a group of one); save the full "
+                             "state from one rank")
     group = session.gloo_group(process_group, "save") if grouped else None
     planner = on_group(planner, group)
     started = time.monotonic()
@@ -71,11 +78,18 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
         writer.on_staged = staged
         try:
             try:
+                to_save = state_dict
+                if delta_from is not None:
+                    where = writer.location
+                    to_save, writer.delta = delta_save.prepare(
+                        session, state_dict, delta_from,
+                        where.chunk_store.url_of(where.chunks_root), storage_options)
                 with single_process(group is None):
-                    dcp.save(state_dict, storage_writer=writer, process_group=group,
+                    dcp.save(to_save, storage_writer=writer, process_group=group,
                              planner=planner, no_dist=group is None)
             finally:  # before after_commit: once it resolves `local`, the next save sets its own
                 writer.on_staged = None
+                writer.delta = None
             stats = writer.last_stats
             summary = SaveSummary.of(
                 url, stats, stats.bytes_written + stats.bytes_reused,

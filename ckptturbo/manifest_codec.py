@@ -3,7 +3,11 @@ and the reading of every version this ckptturbo reads, every field validated on 
 in (a manifest may be hostile). Pure: bytes in, records out, no I/O (``runs`` reads and
 writes the file). Versions 1 and 2 are turned into version 3 by ``manifest_migration``.
 
-``FORMAT_VERSION`` versions the manifest (docs/format.md spells each version out).
+``FORMAT_VERSION`` versions the manifest (docs/format.md spells each version out); a
+manifest with delta records (``ct.save(..., delta_from=...)``) is written as
+``DELTA_VERSION``, so that a release which does not know them refuses it by its version
+instead of loading a tensor's base as its value, and every other manifest stays readable
+by releases that read version 3.
 """
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from .paths import RUN_STORE
 
 FORMAT_NAME = "ckptturbo-manifest"
 FORMAT_VERSION = 3
+DELTA_VERSION = 4  # version 3 plus delta records
 # Version 1 manifests carry no checksum of their own; they are still read (with a warning).
 # Versions 1 and 2 spell every piece out (its start, its chunk's id); version 3 is compact.
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 CHECKSUM_FIELD = "blake3"
 _LIMIT = 1 << 62  # no integer of a manifest reaches this: sums of two fit in int64
 _HEX = re.compile(r"[0-9a-f]*")
@@ -41,12 +46,15 @@ def encode(*, items: dict[str, ItemRecord], chunks: dict[str, int], planner_data
     ordinal = {cid: i for i, cid in enumerate(chunks)}
     paths = _planner_paths(planner_data, items)
     records = {}
+    version = FORMAT_VERSION
     for fqn, item in items.items():
         records[fqn] = item.to_record(fqn, ordinal)
+        if records[fqn][0] == "delta":
+            version = DELTA_VERSION
         if paths is not None:
             records[fqn].append(paths[fqn])
     doc = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "created": created,
+        "format": FORMAT_NAME, "version": version, "created": created,
         "chunk_store": chunk_store, "dcp_version": dcp_version,
         "storage_meta": storage_meta, "stats": stats,
         "planner_data": None if paths is not None else _planner_data_to_json(planner_data),
@@ -67,7 +75,8 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     with_paths = doc.get("planner_paths", False)
     if type(with_paths) is not bool:
         raise FormatError(f"{where}: 'planner_paths' must be true or false")
-    items, paths = _decode_items(doc.get("items"), ids, sizes, with_paths, where)
+    items, paths = _decode_items(doc.get("items"), ids, sizes, with_paths,
+                                 doc["version"] >= DELTA_VERSION, where)
     store = _typed(doc, "chunk_store", str, RUN_STORE, where)
     created = _typed(doc, "created", (int, float), 0, where)
     planner_data = paths if with_paths else _planner_data_from_json(doc.get("planner_data"))
@@ -161,9 +170,11 @@ def _chunk_table(doc: dict[str, Any], where: str) -> tuple[list[str], np.ndarray
 
 
 def _decode_items(raw: Any, ids: list[str], table: np.ndarray, with_paths: bool,
-                  where: str) -> tuple[dict[str, ItemRecord], dict[str, tuple] | None]:
-    """The items of a version 3 manifest, every field checked (pieces all at once, in
-    ``_check_pieces``), and the planner data of their paths when ``with_paths``."""
+                  with_deltas: bool, where: str
+                  ) -> tuple[dict[str, ItemRecord], dict[str, tuple] | None]:
+    """The items of a version 3 manifest (``with_deltas``: or 4), every field checked
+    (pieces all at once, in ``_check_pieces``), and the planner data of their paths when
+    ``with_paths``."""
     if not isinstance(raw, dict):
         raise FormatError(f"{where}: 'items' must be an object")
     shapes: dict[tuple, tuple] = {}
@@ -177,19 +188,25 @@ def _decode_items(raw: Any, ids: list[str], table: np.ndarray, with_paths: bool,
                 raise FormatError(f"malformed item record for {fqn!r}")
             paths[fqn] = _path_of(fqn, rec[-1])
             rec = rec[:-1]
-        items[fqn], shard_bytes, pieces = _item_of(fqn, rec, shapes, ids)
+        items[fqn], shard_bytes, pieces = _item_of(fqn, rec, shapes, ids, with_deltas)
         want += shard_bytes
         stored.append((pieces, len(shard_bytes)))
     _check_pieces(list(items), stored, want, table, where)
     return items, (paths if with_paths else None)
 
 
-def _item_of(fqn: str, rec: Any, shapes: dict[tuple, tuple],
-             ids: list[str]) -> tuple[ItemRecord, list[int], list[int]]:
+def _item_of(fqn: str, rec: Any, shapes: dict[tuple, tuple], ids: list[str],
+             with_deltas: bool) -> tuple[ItemRecord, list[int], list[int]]:
     """One item record, checked on its own, the bytes each of its shards must hold
     (-1: an object's, any number) and its pieces list, as stored. Records of the same
     dtype, size and boxes share one check and one parse (``shapes``)."""
     kind = rec[0] if isinstance(rec, list) and rec else None
+    deltas: tuple[int, ...] = ()
+    if kind == "delta" and with_deltas and len(rec) == 7:
+        deltas = tuple(nonnegative_ints(rec[6], f"{fqn!r}: delta lengths"))
+        rec, kind = ["tensor", *rec[1:6]], "tensor"
+        if not deltas or sum(deltas) >= _LIMIT:
+            raise FormatError(f"{fqn!r}: a delta record needs payloads of sane lengths")
     if kind == "bytes" and len(rec) == 2:
         boxes, pieces, dtype, size, grad, want = OBJECT_BOX, rec[1], None, None, False, [-1]
     elif kind == "tensor" and len(rec) == 6:
@@ -202,6 +219,10 @@ def _item_of(fqn: str, rec: Any, shapes: dict[tuple, tuple],
         if shape is None:
             shape = shapes[key] = _tensor_shape(fqn, name, raw_size, grad, key[3])
         dtype, size, boxes, want = shape
+        if deltas:
+            if len(boxes.offsets) != 1 or any(boxes.offsets[0]) or boxes.sizes[0] != size:
+                raise FormatError(f"{fqn!r}: a delta record has one shard, the whole tensor")
+            want = [want[0] + sum(deltas)]
     else:
         raise FormatError(f"malformed item record for {fqn!r}")
     count = len(boxes.offsets)
@@ -211,7 +232,7 @@ def _item_of(fqn: str, rec: Any, shapes: dict[tuple, tuple],
         total = -1
     if not isinstance(pieces, list) or len(pieces) != count + 3 * total:
         raise FormatError(f"{fqn!r}: malformed pieces list")
-    return ItemRecord.stored(kind, dtype, size, grad, boxes, pieces, ids), want, pieces
+    return ItemRecord.stored(kind, dtype, size, grad, boxes, pieces, ids, deltas), want, pieces
 
 
 def _tensor_shape(fqn: str, name: Any, raw_size: Any, grad: Any,

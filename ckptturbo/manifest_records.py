@@ -91,23 +91,34 @@ class DtypeName(str):
 
 @dataclass
 class ShardRecord:
-    """One stored box of a tensor (or the whole of a bytes object), and where its bytes are."""
+    """One stored box of a tensor (or the whole of a bytes object), and where its bytes are.
+
+    A delta shard (a tensor saved with ``delta_from``, docs/format.md) is its base value's
+    bytes followed by payloads, each the changes from the value before it
+    (``delta_codec``): ``deltas`` holds the payloads' lengths, oldest first, and the
+    pieces tile ``nbytes`` plus those. ``nbytes`` is always the value's own bytes."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
     pieces: list[StoredPiece]
+    deltas: tuple[int, ...] = ()
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes its pieces hold: the value's, or a delta's base and payloads."""
+        return self.nbytes + sum(self.deltas)
 
     def check(self, where: str) -> None:
-        """Pieces must tile [0, nbytes) exactly, in order: no gaps, no overlaps."""
+        """Pieces must tile [0, stored_bytes) exactly, in order: no gaps, no overlaps."""
         pos = 0
         for p in self.pieces:
             if p.start != pos:
                 raise FormatError(f"{where}: pieces do not tile the shard "
                                   f"(gap or overlap at byte {pos})")
             pos += p.length
-        if pos != self.nbytes:
-            raise FormatError(f"{where}: pieces cover {pos} of {self.nbytes} bytes")
+        if pos != self.stored_bytes:
+            raise FormatError(f"{where}: pieces cover {pos} of {self.stored_bytes} bytes")
 
 
 class Boxes:
@@ -166,7 +177,7 @@ class ItemRecord:
     a loading rank of an HSDP job uses one shard in 64."""
 
     __slots__ = ("kind", "size", "requires_grad", "_dtype", "_shards", "_boxes", "_pieces",
-                 "_ids", "_first", "_position")
+                 "_ids", "_first", "_position", "_deltas")
 
     def __init__(self, kind: str, shards: list[ShardRecord] | None, dtype: Any = None,
                  size: tuple[int, ...] | None = None, requires_grad: bool = False) -> None:
@@ -180,13 +191,16 @@ class ItemRecord:
         self._ids: list[str] = []
         self._first: list[int] | None = None
         self._position: dict[tuple[int, ...], int] | None = None
+        self._deltas: tuple[int, ...] = ()  # a stored delta record's payload lengths
 
     @classmethod
     def stored(cls, kind: str, dtype: Any, size: tuple[int, ...] | None, requires_grad: bool,
-                boxes: Boxes, pieces: list[int], ids: list[str]) -> ItemRecord:
-        """A record as a version 3 manifest holds it (checked by the caller)."""
+                boxes: Boxes, pieces: list[int], ids: list[str],
+                deltas: tuple[int, ...] = ()) -> ItemRecord:
+        """A record as a version 3 or 4 manifest holds it (checked by the caller);
+        ``deltas``: a delta record's payload lengths (its one shard's)."""
         item = cls(kind, None, dtype, size, requires_grad)
-        item._boxes, item._pieces, item._ids = boxes, pieces, ids
+        item._boxes, item._pieces, item._ids, item._deltas = boxes, pieces, ids, deltas
         return item
 
     @property
@@ -235,7 +249,8 @@ class ItemRecord:
         for i in range(at, at + 3 * raw[j], 3):
             out.append(StoredPiece(pos, raw[i], ids[raw[i + 1]], raw[i + 2]))
             pos += raw[i]
-        return ShardRecord(boxes.offsets[j], boxes.sizes[j], pos, out)
+        return ShardRecord(boxes.offsets[j], boxes.sizes[j], pos - sum(self._deltas), out,
+                           self._deltas)
 
     def offsets(self) -> list[tuple[int, ...]]:
         """The offsets of the shards, without building them."""
@@ -254,11 +269,14 @@ class ItemRecord:
                 for s in self._shards]
 
     def to_record(self, fqn: str, ordinal: dict[str, int]) -> list[Any]:
-        """The item as a version 3 manifest spells it (docs/format.md)."""
+        """The item as a version 3 manifest spells it, or a delta record as version 4 does
+        (docs/format.md)."""
         counts: list[int] = []
         triples: list[int] = []
         boxes: list[int] = []
+        deltas: list[int] = []
         for s in self.shards:
+            deltas += s.deltas
             s.check(fqn)  # the record leaves piece starts out: they follow from the lengths
             counts.append(len(s.pieces))
             for p in s.pieces:
@@ -268,6 +286,12 @@ class ItemRecord:
         if self.kind == "bytes":
             return ["bytes", counts + triples]
         assert self.size is not None, "a tensor record is made with its size"
-        return ["tensor", self.dtype_name, list(self.size), bool(self.requires_grad), boxes,
-                counts + triples]
+        record = ["tensor", self.dtype_name, list(self.size), bool(self.requires_grad), boxes,
+                  counts + triples]
+        if deltas:
+            if len(self.shards) != 1:
+                raise FormatError(f"{fqn!r}: a delta record has exactly one shard")
+            record[0] = "delta"
+            record.append(deltas)
+        return record
 

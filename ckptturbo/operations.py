@@ -10,7 +10,7 @@ in flight too, and with ``tiers=`` cover this node's memory tier (``tiered_catal
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import catalog, tiered_catalog
+from . import catalog, changes, tiered_catalog
 from .async_save import run_save
 from .errors import CkptTurboError, MismatchError
 from .failures import ckptturbo_errors
@@ -34,6 +34,8 @@ from .tree import unflatten
 
 if TYPE_CHECKING:
     from .catalog import CheckpointInfo, GcReport
+    from .changes import Change
+    from .manifest_delta import TensorVersion
     from .recovery import Recovered
     from .tiers import Tiers
 
@@ -44,7 +46,7 @@ T = TypeVar("T")
 def save(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
          collective: bool = True, storage_options: dict[str, Any] | None = None,
          planner: Any = None, wait_previous: bool = True, tiers: Tiers | None = None,
-         persist: bool = False, **writer_options: Any) -> SaveHandle:
+         persist: bool = False, delta_from: Any = None, **writer_options: Any) -> SaveHandle:
     """Save asynchronously; returns at once with ``handle.staged`` / ``handle.durable``.
 
     Every rank of the group calls it. ``collective=False``: this process saves alone,
@@ -60,8 +62,16 @@ def save(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
     ``persist=True``; ``handle.durable`` then resolves with None for a save that was not
     persisted (``handle.persisted`` says which). A tiered save waits only for the previous
     one's ``local``: persists run behind the next saves. See docs/tiers.md.
+
+    ``delta_from=<url of a committed checkpoint in the same chunk store>``: each tensor
+    whose base there has its shape and dtype is stored as the elements that changed (a
+    bitmask and their values) when that is smaller, unchanged ones as the base's own
+    chunks; the base is read (verified) on the save's thread before staging. One process
+    saves (``collective=False`` or no group of more). See docs/format.md.
     """
     url = str(url)
+    if delta_from is not None and tiers is not None:
+        raise CkptTurboError(f"saving {url}: delta_from does not combine with tiers=")
     if tiers is not None:
         with ckptturbo_errors("saving", url):  # a URL without a run, a bad tier setting
             return tiered_save(session, state_dict, url, tiers, persist=persist,
@@ -74,7 +84,8 @@ def save(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
     handle = SaveHandle[SaveSummary](url)
     return run_save(session, state_dict, url, url, handle, process_group=process_group,
                     collective=collective, storage_options=storage_options, planner=planner,
-                    wait_previous=wait_previous, writer_options=writer_options)
+                    wait_previous=wait_previous, writer_options=writer_options,
+                    delta_from=None if delta_from is None else str(delta_from))
 
 
 def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_group: Any = None,
@@ -153,6 +164,31 @@ def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, An
     agree = session.gloo_group(group, "tiers") if use_group else None
     return _recover(session, url, tiers, storage_options, agree, attempt,
                     dict(reader_options, process_group=group, allow_pickle=allow_pickle))[0]
+
+
+def tensor_versions(session: Runtime, url: Any, *,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, TensorVersion]:
+    """Every tensor of a checkpoint by content, from its manifest alone (no tensor bytes are
+    read): ``{name: TensorVersion(key, chain, dtype, shape, nbytes)}``. Equal keys mean
+    equal values; ``chain`` lists the keys of the versions a delta was built from, oldest
+    first. A location holding safetensors raises CheckpointKindError."""
+    return changes.versions(session, str(url), storage_options)
+
+
+def load_changes(session: Runtime, url: Any, served: Mapping[str, str], *, names: Any = None,
+                 process_group: Any = None, storage_options: dict[str, Any] | None = None,
+                 memory_limit: int | None = None) -> Iterator[Change]:
+    """The tensors of a checkpoint whose ``TensorVersion.key`` differs from ``served[name]``
+    (only ``names``, if given), as ``Change``s: ``kind="delta"`` (``mask`` and ``values``
+    of the elements changed since the served version, read from its delta payloads alone)
+    when the served key is in the tensor's chain, else ``kind="full"`` (``tensor``).
+    With ``process_group`` every member calls with the same arguments, gets every Change,
+    and each chunk is read from storage once across the group. At most ``memory_limit``
+    bytes (default 2 GiB) are in flight; each Change is yielded once its bytes are
+    verified, and failures are ckptturbo errors raised from the iterator."""
+    return changes.load_changes(session, str(url), served, names=names,
+                                process_group=process_group, storage_options=storage_options,
+                                memory_limit=memory_limit)
 
 
 def delete(session: Runtime, url: Any, *, storage_options: dict[str, Any] | None = None,

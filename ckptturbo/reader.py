@@ -103,6 +103,9 @@ class TurboReader(StorageReader):
             True hands the stored bytes over unchecked.
         session: the ``ckptturbo.Session`` (a runtime) whose I/O threads and gloo groups this reader
             uses (default: the process's default session).
+        manifest: the checkpoint's manifest when the caller has read it, or a view of it
+            (``changes`` reads byte spans of tensors as tensors of their own: items made
+            of the manifest's chunks, with its chunk table and store); default: read here.
 
     A save of the same checkpoint in flight in this process (any session) is waited for
     before the manifest is read: a load sees what this process saved before it.
@@ -125,6 +128,7 @@ class TurboReader(StorageReader):
         process_group: Any = None,
         transport: str = "auto",
         session: Runtime | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         self._session = session
         self.url = str(url)
@@ -144,7 +148,7 @@ class TurboReader(StorageReader):
         self.is_coordinator = True
         self._source: ChunkSource | None = None
         self._location: Location | None = None
-        self._manifest: Manifest | None = None
+        self._manifest: Manifest | None = manifest
         self._shards: Mapping[MetadataIndex, ShardRecord] = {}
         self._chunk_sizes: dict[str, int] = {}
         self._local_items: list[ReadItem] | None = None

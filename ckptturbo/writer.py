@@ -32,9 +32,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import catalog, replicas, save_plan
 from .checkpoint_id import servable
-from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
+from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD, chunk_id
+from .delta_save import DeltaPlan
 from .errors import CkptTurboError, ReplicaMismatchError
 from .manifest import build_manifest
+from .manifest_delta import with_deltas
 from .plan.digests import PlanDigest
 from .results import SaveStats
 from .runs import Location
@@ -112,6 +114,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
         self.on_staged: Callable[[], None] | None = None
+        self.delta: DeltaPlan | None = None  # set by a delta save for its commit (delta_save)
         self.last_stats = SaveStats()
         self.plan_cache_hits = 0
         self._session = session
@@ -129,6 +132,7 @@ class TurboWriter(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         state["on_staged"] = None
+        state["delta"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -290,12 +294,18 @@ class TurboWriter(StorageWriter, AsyncStager):
         for r in sent:
             markers[r.save_id].append(r.rank)
         try:
+            if self.delta is not None:  # the base chunks it names stay until the commit
+                hold = chunk_id(f"{self.save_id}|delta".encode())[:32]
+                markers[hold].append(self.rank)
+                self.delta.hold(location.run, hold, self.rank, self.url)
             replicas.check((r.prints for r in sent), _indices(metadata),
                            raise_=self.on_replica_mismatch == "raise")
             manifest = build_manifest(metadata, save_plan.decode_results(sent), url=self.url,
                                       save_id=self.save_id,
                                       chunk_store_ref=location.chunk_store_ref,
                                       world_size=len(results))
+            if self.delta is not None:
+                manifest = with_deltas(manifest, self.delta.bases, self.delta.chunks)
             replaces = location.self_contained and location.store.exists(location.manifest_path)
             location.write_manifest(manifest)
         finally:
