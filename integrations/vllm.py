@@ -203,7 +203,7 @@ def checkpoint_weights(options: LoaderOptions,
 def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
                 process_group: Any) -> Iterator[tuple[str, torch.Tensor]]:
     ct.load(batch, options.url, process_group=process_group,
-            storage_options=options.storage_options, strict=False)
+            storage_options=options.storage_options, strict=False, cache_dir=options.cache_dir)
     yield from batch.items()
 
 

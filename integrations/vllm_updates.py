@@ -14,8 +14,10 @@ tensors as the checkpoint holds them. ``ct.load_changes`` compares the keys with
 checkpoint's manifest before a byte is read: equal tensors are skipped, tensors saved as
 deltas of the version served arrive as their changed elements only (applied to the host
 copy, bit-exact), the rest arrive whole; every chunk is verified, and over the
-tensor-parallel ``cpu_group`` each is read from storage once and forwarded. A URL of
-safetensors has no content keys: every tensor is read (once across the workers).
+tensor-parallel ``cpu_group`` each is read from storage once and forwarded; with
+``cache_dir`` (the node's cache tier) the engines of a node read each chunk once between
+them. A URL of safetensors has no content keys: every tensor is read (once across the
+workers).
 
 Staged, then swapped. Nothing in the model changes until every worker has read and
 verified every changed tensor and checked its name, shape and dtype against the tensors
@@ -76,6 +78,7 @@ class UpdateDefaults(WeightTransferInitInfo):
 
     storage_options: dict[str, Any] = field(default_factory=dict)
     memory_limit: int | None = None
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -85,6 +88,7 @@ class UpdateRequest(WeightTransferUpdateInfo):
     url: str
     storage_options: dict[str, Any] | None = None
     memory_limit: int | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -128,6 +132,7 @@ class WeightUpdate:
         self.storage_options = (request.storage_options if request.storage_options is not None
                                 else defaults.storage_options)
         self.memory_limit = request.memory_limit or defaults.memory_limit
+        self.cache_dir = request.cache_dir or defaults.cache_dir
         self.group = group
         self.report = UpdateReport(self.url)
 
@@ -192,7 +197,8 @@ class WeightUpdate:
         if redo:  # deltas of tensors this worker holds no copy of: the whole tensors
             for change in ct.load_changes(self.url, {}, names=redo, process_group=self.group,
                                           storage_options=self.storage_options,
-                                          memory_limit=self.memory_limit):
+                                          memory_limit=self.memory_limit,
+                                          cache_dir=self.cache_dir):
                 staged[change.name] = self._checked(served, change.name, change.tensor)
                 self.report.full += 1
         self.report.staged_bytes = sum(t.numel() * t.element_size() for t in staged.values())
@@ -207,7 +213,7 @@ class WeightUpdate:
             found = ct.tensor_versions(self.url, storage_options=self.storage_options)
         except CheckpointKindError:
             options = LoaderOptions(self.url, self.storage_options or {},
-                                    memory_limit=self.memory_limit)
+                                    memory_limit=self.memory_limit, cache_dir=self.cache_dir)
             return None, (_Whole(name, tensor) for name, tensor
                           in Weights(options, self.group).start())
         for name, version in found.items():  # from the manifest, before a byte is read
@@ -215,7 +221,7 @@ class WeightUpdate:
         versions = {name: version.key for name, version in found.items()}
         changes = ct.load_changes(self.url, served.keys_for(versions), process_group=self.group,
                                   storage_options=self.storage_options,
-                                  memory_limit=self.memory_limit)
+                                  memory_limit=self.memory_limit, cache_dir=self.cache_dir)
         return versions, changes
 
     def _checked(self, served: ServedWeights, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -295,7 +301,8 @@ class CkptTurboWeightTransferEngine(WeightTransferEngine[UpdateDefaults, UpdateR
             return UpdateRequest(**update_dict)
         except (TypeError, ValueError) as exc:
             raise UpdateFailed(f"weight update not started: update_info {update_dict!r} is not "
-                               "{'url': ..., 'storage_options'?: {...}, 'memory_limit'?: int}: "
+                               "{'url': ..., 'storage_options'?: {...}, 'memory_limit'?: int, "
+                               "'cache_dir'?: str}: "
                                f"{exc}") from exc
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
