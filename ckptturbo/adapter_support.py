@@ -7,7 +7,7 @@ written down here.
 """
 from __future__ import annotations
 
-from .agreement import gather
+from .agreement import agree, gather
 from .failures import ckptturbo_errors
 from .paths import OWN_STORE, RUN_STORE
 from .tree import SKELETON_KEY, flatten
@@ -17,6 +17,7 @@ __all__ = [
     "OWN_STORE",  # store="checkpoint": a checkpoint that holds its own chunks
     "RUN_STORE",  # store="run": chunks shared by the run's checkpoints (the default)
     "SKELETON_KEY",  # the flat key under which ``flatten`` keeps a tree's structure
+    "agree",  # a step every rank runs, whose failure anywhere is raised everywhere
     "ckptturbo_errors",  # a block whose failures leave as ckptturbo errors naming a URL
     "flatten",  # a nested state as flat keys ct.save takes, restorable exactly
     "gather",  # every rank's value on every rank, failures agreed (one outcome)

@@ -86,14 +86,14 @@ def versions(runtime: Runtime, url: str,
 
 def read_values(runtime: Runtime, url: str, storage_options: dict[str, Any] | None,
                 manifest: Manifest, records: Mapping[str, ItemRecord],
-                group: Any) -> dict[str, torch.Tensor]:
+                group: Any, cache_dir: str | None = None) -> dict[str, torch.Tensor]:
     """The values of ``records`` (tensor records of ``manifest``'s chunks, or records made
     from them), read with a ``TurboReader``: verified, and with ``group`` (every member
     calls with the same records) each chunk read from storage once across the group."""
     view = Manifest(items=dict(records), chunks=manifest.chunks,
                     chunk_store=manifest.chunk_store, dcp_version=manifest.dcp_version)
     reader = TurboReader(url, storage_options, session=runtime, process_group=group,
-                         manifest=view)
+                         manifest=view, cache_dir=cache_dir)
     flat: dict[str, Any] = {name: torch.empty(tuple(r.size or ()), dtype=r.dtype)
                             for name, r in records.items()}
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -166,7 +166,7 @@ def _batches(wanted: list[_Wanted], limit: int) -> Iterator[list[_Wanted]]:
 
 def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names: Any = None,
                  process_group: Any = None, storage_options: dict[str, Any] | None = None,
-                 memory_limit: int | None = None) -> Iterator[Change]:
+                 memory_limit: int | None = None, cache_dir: str | None = None) -> Iterator[Change]:
     """The ``Change`` of each tensor whose key differs from ``served[name]`` (see the module
     docstring); each is yielded once its bytes are verified. Failures are ckptturbo errors
     raised from the iterator."""
@@ -182,7 +182,7 @@ def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names
     for batch in _batches(wanted, limit):
         with ckptturbo_errors("loading changes of", url):
             values = read_values(runtime, url, storage_options, manifest,
-                                 {w.name: w.record for w in batch}, process_group)
+                                 {w.name: w.record for w in batch}, process_group, cache_dir)
             changes = [_change(w, values.pop(w.name), url) for w in batch]
         yield from changes
 

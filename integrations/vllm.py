@@ -24,8 +24,12 @@ the reads start when the weights are consumed (the peers' gloo group must not ca
 conversations at once). Tensors come as views of the bytes read (``views=True``), so the
 weight loader's copy into the parameter is the only copy of each byte.
 
-The loader is registered by :func:`register`, the entry point of the group
-``vllm.general_plugins`` (vLLM calls it in the engine and in every worker process).
+The loader, and the weight-transfer backend ``ckptturbo`` of
+:mod:`ckptturbo.integrations.vllm_updates` (live updates to a new checkpoint), are
+registered by :func:`register`, the entry point of the group ``vllm.general_plugins``
+(vLLM calls it in the engine and in every worker process). A model loaded from a ckptturbo
+checkpoint keeps the content keys of its tensors (:class:`ServedWeights`), so that its
+first update reads only what changed.
 """
 from __future__ import annotations
 
@@ -50,8 +54,47 @@ from ckptturbo.stream import SafetensorsStream
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "ckptturbo"
+WEIGHT_TRANSFER_BACKEND = "ckptturbo"
 DEFAULT_MEMORY_LIMIT = 2 << 30
+SERVED_ATTRIBUTE = "_ckptturbo_served"
 _registered = False
+
+
+@dataclass
+class ServedWeights:
+    """What a worker's model serves: the checkpoint's URL, the content key of each of its
+    tensors (``ct.tensor_versions``, what an update compares with the new manifest) and a
+    host copy of the tensors as the checkpoint holds them (what an update reloads the
+    layers it changes from, and puts back when a swap fails). Kept on the model object,
+    the one thing vLLM hands both to the loader and to a worker's weight-transfer engine.
+    Empty: the model was loaded some other way, nothing of it is known."""
+
+    url: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def keys_for(self, versions: dict[str, str]) -> dict[str, str]:
+        """The served keys of the tensors the new checkpoint has."""
+        return {name: self.versions[name] for name in versions if name in self.versions}
+
+    def remember(self, model: nn.Module, url: str, versions: dict[str, str] | None,
+                 tensors: dict[str, torch.Tensor]) -> None:
+        """The model now serves ``url``, whose changed ``tensors`` were loaded. With no
+        keys (safetensors) no tensor can be compared any more: the next update reads all."""
+        if versions is None:
+            self.versions.clear()
+        else:
+            self.versions = {name: key for name, key in versions.items()
+                             if name in tensors or self.versions.get(name) == key}
+        self.host.update(tensors)
+        self.url = url
+        setattr(model, SERVED_ATTRIBUTE, self)
+
+
+def served_weights(model: nn.Module) -> ServedWeights:
+    """What ``model`` serves (an empty record for a model loaded without ckptturbo)."""
+    served = getattr(model, SERVED_ATTRIBUTE, None)
+    return served if isinstance(served, ServedWeights) else ServedWeights()
 
 
 @dataclass(frozen=True)
@@ -160,7 +203,7 @@ def checkpoint_weights(options: LoaderOptions,
 def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
                 process_group: Any) -> Iterator[tuple[str, torch.Tensor]]:
     ct.load(batch, options.url, process_group=process_group,
-            storage_options=options.storage_options, strict=False)
+            storage_options=options.storage_options, strict=False, cache_dir=options.cache_dir)
     yield from batch.items()
 
 
@@ -200,6 +243,7 @@ class CkptTurboModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
         self._opening: _Opening | Weights | None = None
+        self._keep_copy = False  # for live updates (weight-transfer backend "ckptturbo")
 
     def download_model(self, model_config: Any) -> None:
         """Fill the local cache tier (``cache_dir``) so the next load makes no request."""
@@ -216,6 +260,8 @@ class CkptTurboModelLoader(BaseModelLoader):
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
         """Open the weights (listing, headers, first reads) before vLLM builds the model,
         then let vLLM build it and call :meth:`load_weights`."""
+        transfer = getattr(vllm_config, "weight_transfer_config", None)
+        self._keep_copy = getattr(transfer, "backend", None) == WEIGHT_TRANSFER_BACKEND
         group = tensor_parallel_group()
         self._opening = _Opening(self.options) if group is None else Weights(self.options, group)
         try:
@@ -239,11 +285,14 @@ class CkptTurboModelLoader(BaseModelLoader):
         opened = self._weights()
         stream = iter(opened)
         count = 0
+        kept: dict[str, torch.Tensor] = {}
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal count
             for name, tensor in stream:
                 count += 1
+                if self._keep_copy:  # the stream's own buffers: no copy is made
+                    kept[name] = tensor
                 yield name, tensor
 
         try:
@@ -255,6 +304,14 @@ class CkptTurboModelLoader(BaseModelLoader):
             opened.close()
         log.info("ckptturbo loaded %d tensors from %s in %.2fs", count, self.options.url,
                  time.perf_counter() - started)
+        if self._keep_copy:
+            versions = None
+            if opened.kind == "checkpoint":
+                versions = {name: v.key for name, v in
+                            ct.tensor_versions(self.options.url,
+                                                 storage_options=self.options.storage_options)
+                            .items()}
+            ServedWeights().remember(model, self.options.url, versions, kept)
         if loaded is not None and model_config.quantization is None:
             missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
             if missing:
@@ -271,8 +328,35 @@ class _LoadsWeights(Protocol):
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``): register the ``ckptturbo`` load format once."""
+    """Entry point (``vllm.general_plugins``): register the ``ckptturbo`` load format and
+    weight-transfer backend once (the backend's module is imported when an engine uses it)."""
     global _registered
     if not _registered:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
         register_model_loader(LOAD_FORMAT)(CkptTurboModelLoader)
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND, "ckptturbo.integrations.vllm_updates",
+            "CkptTurboWeightTransferEngine")
         _registered = True
+
+
+def update_weights(llm: Any, url: str, *, storage_options: dict[str, Any] | None = None,
+                   memory_limit: int | None = None, weight_version: str | None = None) -> None:
+    """Move an offline ``vllm.LLM`` (started with ``weight_transfer_config={"backend":
+    "ckptturbo"}``) to the checkpoint at ``url``: start, update, finish, with the weight
+    version ``weight_version`` or else ``url`` (vLLM keeps the old version when none is
+    named). A failure raises and leaves the previous weights and version serving."""
+    info: dict[str, Any] = {"url": url}
+    if storage_options is not None:
+        info["storage_options"] = storage_options
+    if memory_limit is not None:
+        info["memory_limit"] = memory_limit
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": info})
+    except BaseException:
+        with contextlib.suppress(Exception):  # the update ended the session on every worker
+            llm.finish_weight_update()
+        raise
+    llm.finish_weight_update(weight_version=weight_version or url)
