@@ -243,18 +243,28 @@ class WeightUpdate:
                                 f"served model's is {tuple(old.shape)} {old.dtype}")
 
     def _swap(self, feed: list[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's layerwise reload of the layers in ``feed`` (the others keep their
-        kernel tensors)."""
+        """vLLM's layerwise reload of the layers in ``feed``; only those are prepared for
+        it (the others keep their kernel tensors untouched, and vLLM does not warn about
+        each of them as a layer that failed to load)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        initialize_layerwise_reload(self.model)
+        for module in self._modules({layer_of(name) for name, _ in feed}):
+            initialize_layerwise_reload(module)
         try:
             cast(_LoadsWeights, self.model).load_weights(feed)
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+
+    def _modules(self, layers: set[str]) -> list[nn.Module]:
+        """The model's modules named like the checkpoint's layers (Llama-style models name
+        them alike); the whole model when a name has no module of its own."""
+        try:
+            return [self.model.get_submodule(layer) for layer in sorted(layers)]
+        except AttributeError:
+            return [self.model]
 
 
 def _apply_delta(base: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
