@@ -51,6 +51,8 @@ import ckptturbo as ct
 from ckptturbo.errors import CheckpointKindError, CkptTurboError, MismatchError
 from ckptturbo.stream import SafetensorsStream
 
+from .vllm_shared import share
+
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "ckptturbo"
@@ -311,7 +313,8 @@ class CkptTurboModelLoader(BaseModelLoader):
                             ct.tensor_versions(self.options.url,
                                                  storage_options=self.options.storage_options)
                             .items()}
-            ServedWeights().remember(model, self.options.url, versions, kept)
+            ServedWeights().remember(model, self.options.url, versions,
+                                     share(kept, tensor_parallel_group()))
         if loaded is not None and model_config.quantization is None:
             missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
             if missing:

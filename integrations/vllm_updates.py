@@ -28,7 +28,9 @@ tensors: the parameters' ``weight_loader`` cuts tensor-parallel slices and fuses
 gate_up, and layers that repack or quantize their weights after loading (vLLM's CPU
 kernels, online quantization) process them again. A swap that fails on any worker is
 undone on every worker by feeding the same layers their previous tensors. Memory: the
-host copy (the checkpoint's bytes, per worker) plus the changed tensors while staged.
+host copy (the checkpoint's bytes, once per node: the tensor-parallel workers of a node
+map one copy, :mod:`~ckptturbo.integrations.vllm_shared`) plus the changed tensors while
+staged.
 
 vLLM runs the update between two model steps, on every worker at the same boundary, so no
 forward pass sees a half-written model: requests in flight are served by the old weights
@@ -63,6 +65,7 @@ from .vllm import (
     served_weights,
     tensor_parallel_group,
 )
+from .vllm_shared import share
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,11 @@ class WeightUpdate:
         started = time.perf_counter()
         served = served_weights(self.model)
         versions, staged = self._agreed("reading", lambda: self._stage(served))
+        try:
+            staged = share(staged, self.group)  # one host copy per node, not per worker
+        except Exception as exc:
+            raise UpdateFailed(f"weight update to {self.url} failed while staging; the "
+                               f"previous weights still serve: {exc}") from exc
         affected = {layer_of(name) for name in staged}
         fresh = {**served.host, **staged}
         names = [name for name in fresh if layer_of(name) in affected]
