@@ -24,8 +24,14 @@ from . import delta_codec
 from .errors import CheckpointKindError, CheckpointNotFound, MismatchError
 from .failures import ckptturbo_errors
 from .manifest import Manifest
-from .manifest_delta import TensorVersion, payload_spans, tensor_versions, versions_of
-from .manifest_records import ItemRecord, ShardRecord, StoredPiece
+from .manifest_delta import (
+    TensorVersion,
+    payload_spans,
+    span_pieces,
+    tensor_versions,
+    versions_of,
+)
+from .manifest_records import ItemRecord, ShardRecord
 from .reader import TurboReader
 from .runs import Location
 from .runtime import Runtime, single_process, wait_for_saves
@@ -57,15 +63,17 @@ def read_manifest(runtime: Runtime, url: str,
                   storage_options: dict[str, Any] | None) -> tuple[Location, Manifest]:
     """A checkpoint's manifest (after a save of it in flight here); a safetensors location
     raises CheckpointKindError, a missing checkpoint CheckpointNotFound."""
+    kind = CheckpointKindError(f"{url}: holds safetensors, not a ckptturbo checkpoint: "
+                               "stream it with ct.stream_safetensors")
+    if url.rstrip("/").endswith(".safetensors"):
+        raise kind
     wait_for_saves(url)
     location = Location(url, storage_options, session=runtime)
     try:
         return location, location.read_manifest()
     except CheckpointNotFound:
-        if url.rstrip("/").endswith(".safetensors") or any(
-                f.path.endswith(".safetensors") for f in location.store.list_files(location.path)):
-            raise CheckpointKindError(f"{url}: holds safetensors, not a ckptturbo checkpoint: "
-                                      "stream it with ct.stream_safetensors") from None
+        if any(f.path.endswith(".safetensors") for f in location.store.list_files(location.path)):
+            raise kind from None
         raise
 
 
@@ -78,14 +86,14 @@ def versions(runtime: Runtime, url: str,
 
 def read_values(runtime: Runtime, url: str, storage_options: dict[str, Any] | None,
                 manifest: Manifest, records: Mapping[str, ItemRecord],
-                group: Any) -> dict[str, torch.Tensor]:
+                group: Any, cache_dir: str | None = None) -> dict[str, torch.Tensor]:
     """The values of ``records`` (tensor records of ``manifest``'s chunks, or records made
     from them), read with a ``TurboReader``: verified, and with ``group`` (every member
     calls with the same records) each chunk read from storage once across the group."""
     view = Manifest(items=dict(records), chunks=manifest.chunks,
                     chunk_store=manifest.chunk_store, dcp_version=manifest.dcp_version)
     reader = TurboReader(url, storage_options, session=runtime, process_group=group,
-                         manifest=view)
+                         manifest=view, cache_dir=cache_dir)
     flat: dict[str, Any] = {name: torch.empty(tuple(r.size or ()), dtype=r.dtype)
                             for name, r in records.items()}
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -97,15 +105,9 @@ def read_values(runtime: Runtime, url: str, storage_options: dict[str, Any] | No
 
 def _payloads_record(item: ItemRecord, spans: list[tuple[int, int]]) -> ItemRecord:
     """A uint8 tensor record of a delta record's payloads in ``spans``, back to back."""
-    shard = item.shards[0]
-    pieces, pos = [], 0
-    for start, end in spans:
-        for p in shard.pieces:
-            lo, hi = max(start, p.start), min(end, p.start + p.length)
-            if lo < hi:
-                pieces.append(StoredPiece(pos, hi - lo, p.chunk, p.offset + lo - p.start))
-                pos += hi - lo
-    return ItemRecord("tensor", [ShardRecord((0,), (pos,), pos, pieces)], torch.uint8, (pos,))
+    pieces = span_pieces(item.shards[0], spans)
+    n = sum(p.length for p in pieces)
+    return ItemRecord("tensor", [ShardRecord((0,), (n,), n, pieces)], torch.uint8, (n,))
 
 
 @dataclass
@@ -114,15 +116,19 @@ class _Wanted:
 
     name: str
     key: str
-    record: ItemRecord
+    item: ItemRecord  # the tensor's record in the checkpoint
+    record: ItemRecord  # what is read: ``item``, or its payloads after the served version
     spans: list[tuple[int, int]] | None = None  # a delta: the payloads read, else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes in flight for it: what is read, and a delta's decoded mask and values."""
-        read = self.record.shards[0].stored_bytes if self.spans else sum(
-            s.nbytes for s in self.record.shards)
-        return 3 * read if self.spans else read
+        """Bytes in flight for it: what is read, and a delta's mask (a byte per element)
+        and, when several payloads are merged, a full-size scratch tensor."""
+        full = sum(s.nbytes for s in self.item.shards)
+        if self.spans is None:
+            return full
+        numel = math.prod(self.item.size or ())
+        return 2 * self.record.shards[0].nbytes + numel + (full if len(self.spans) > 1 else 0)
 
 
 def _wanted(manifest: Manifest, served: Mapping[str, str],
@@ -138,9 +144,9 @@ def _wanted(manifest: Manifest, served: Mapping[str, str],
             continue
         if have is not None and have in chain:
             spans = payload_spans(item)[chain.index(have):]
-            out.append(_Wanted(name, key, _payloads_record(item, spans), spans))
+            out.append(_Wanted(name, key, item, _payloads_record(item, spans), spans))
         else:
-            out.append(_Wanted(name, key, item))
+            out.append(_Wanted(name, key, item, item))
     return out
 
 
@@ -160,7 +166,7 @@ def _batches(wanted: list[_Wanted], limit: int) -> Iterator[list[_Wanted]]:
 
 def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names: Any = None,
                  process_group: Any = None, storage_options: dict[str, Any] | None = None,
-                 memory_limit: int | None = None) -> Iterator[Change]:
+                 memory_limit: int | None = None, cache_dir: str | None = None) -> Iterator[Change]:
     """The ``Change`` of each tensor whose key differs from ``served[name]`` (see the module
     docstring); each is yielded once its bytes are verified. Failures are ckptturbo errors
     raised from the iterator."""
@@ -171,21 +177,21 @@ def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names
     with ckptturbo_errors("loading changes of", url):
         _, manifest = read_manifest(runtime, url, storage_options)
         wanted = _wanted(manifest, served, wanted_names)
-    log.info("%s: %d of %d tensors differ from the served ones (%d as deltas)", url,
-             len(wanted), len(tensor_versions(manifest)), sum(1 for w in wanted if w.spans))
+    log.info("%s: %d tensors differ from the served ones (%d as deltas)", url, len(wanted),
+             sum(1 for w in wanted if w.spans))
     for batch in _batches(wanted, limit):
         with ckptturbo_errors("loading changes of", url):
             values = read_values(runtime, url, storage_options, manifest,
-                                 {w.name: w.record for w in batch}, process_group)
-            changes = [_change(w, manifest.items[w.name], values.pop(w.name), url)
-                       for w in batch]
+                                 {w.name: w.record for w in batch}, process_group, cache_dir)
+            changes = [_change(w, values.pop(w.name), url) for w in batch]
         yield from changes
 
 
-def _change(w: _Wanted, item: ItemRecord, data: torch.Tensor, url: str) -> Change:
+def _change(w: _Wanted, data: torch.Tensor, url: str) -> Change:
     """The Change of one tensor from what was read of it."""
     if w.spans is None:
         return Change(w.name, w.key, "full", tensor=data)
+    item = w.item
     dtype = item.dtype
     assert dtype is not None and item.size is not None, "a tensor record has dtype and size"
     numel = math.prod(item.size)

@@ -211,7 +211,8 @@ def describe(url: str, manifest: Manifest) -> dict[str, Any]:
         if item.kind == "tensor":
             tensors.append({"name": fqn, "dtype": item.dtype_name, "shape": list(item.size or ()),
                             "bytes": nbytes, "shards": len(item.shards),
-                            "chunks": len(item_chunks(item))})
+                            "chunks": len(item_chunks(item)),
+                            "deltas": sum(len(s.deltas) for s in item.shards)})
         else:
             objects.append({"name": fqn, "bytes": nbytes})
     total, unique = manifest.total_bytes, manifest.unique_bytes

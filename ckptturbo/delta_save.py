@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
-from . import delta_codec
+from . import catalog, delta_codec
 from .changes import DEFAULT_MEMORY_LIMIT, read_manifest, read_values
-from .errors import CkptTurboError
+from .errors import ChunksUnavailable, CkptTurboError
 from .manifest_delta import DeltaBase, delta_room
 from .manifest_records import ItemRecord
-from .runs import Location
-from .runtime import Runtime
+from .runs import Location, RunStore
+from .runtime import Runtime, index_for
 from .urls import url_key
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,31 @@ class DeltaPlan:
         self.bases = bases
         self.chunks = chunks
 
+    def hold(self, run: RunStore, marker: str, rank: int, url: str) -> None:
+        """Keep the base chunks the commit names from a gc until the commit: announce as
+        an upload does (pending marker ``marker``, gc-lock wait, the run's chunk index at
+        that gc generation), then check that each is still in the store. The base was read
+        before the announcement, and may have been deleted and collected since; from the
+        marker on no gc starts, so a chunk found now is there at the commit. The caller
+        removes the marker after the commit (``catalog.end_save``)."""
+        index = index_for(run)
+        index.sync(run, catalog.begin_save(run, marker, rank))
+        missing = sorted(cid for cid in {p.chunk for b in self.bases.values()
+                                         for s in b.record.shards for p in s.pieces}
+                         if cid not in index)
+        if missing:
+            raise ChunksUnavailable(f"saving {url}: {len(missing)} chunks of its delta base "
+                                    f"were collected while it was saved (first: {missing[0]}); "
+                                    "save it in full or from a base that exists")
+
 
 def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_store: str,
-            storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], DeltaPlan]:
+            storage_options: dict[str, Any] | None
+            ) -> tuple[dict[str, Any], DeltaPlan | None]:
     """The state dict DCP saves (payloads in place of the tensors stored as deltas) and the
-    plan of the commit. ``chunk_store``: the URL of the new checkpoint's chunks (its
-    ``Location``'s ``chunks_root``), where the base's chunks must be."""
+    plan of the commit (None: no tensor is, the save is a plain one). ``chunk_store``: the
+    URL of the new checkpoint's chunks (its ``Location``'s ``chunks_root``), where the
+    base's chunks must be."""
     manifest = read_manifest(runtime, base_url, storage_options)[1]
     location = Location.for_manifest(base_url, storage_options, manifest, session=runtime)
     chunks_url = location.chunk_store.url_of(location.chunks_root)
@@ -70,9 +89,11 @@ def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_s
             batch, held = {}, 0
     if batch:
         _compare(runtime, base_url, storage_options, manifest, batch, flat, bases)
-    log.info("delta save over %s: %d of %d tensors as deltas, %d unchanged", base_url,
+    log.info("delta save over %s: %d of %d entries as deltas, %d unchanged", base_url,
              sum(b.payload for b in bases.values()), len(flat),
              sum(not b.payload for b in bases.values()))
+    if not bases:  # a plain save
+        return state_dict, None
     return unflatten_state_dict(flat, mapping), DeltaPlan(bases, manifest.chunks)
 
 

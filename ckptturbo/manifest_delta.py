@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .chunks import chunk_id
 from .manifest import Manifest
 from .manifest_records import ItemRecord, ShardRecord, StoredPiece
+
+if TYPE_CHECKING:  # torch is imported where a dtype is parsed: `ls` and `inspect` need none
+    import torch
 
 # The rebase rule: a tensor is stored in full again once it has this many payloads, or
 # when its payloads would hold more bytes than the tensor itself (``delta_room``).
@@ -35,19 +38,27 @@ class TensorVersion:
 
     key: str
     chain: tuple[str, ...]
-    dtype: Any
+    dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
 
 
-def _clip(pieces: Iterable[StoredPiece], start: int, end: int) -> list[list[Any]]:
-    """[chunk, offset, length] of the bytes [start, end) of a shard's pieces."""
-    out = []
-    for p in pieces:
-        lo, hi = max(start, p.start), min(end, p.start + p.length)
-        if lo < hi:
-            out.append([p.chunk, p.offset + lo - p.start, hi - lo])
+def span_pieces(shard: ShardRecord, spans: Iterable[tuple[int, int]]) -> list[StoredPiece]:
+    """Where the bytes of ``spans`` ([start, end) of ``shard``) are, as the pieces of a
+    shard that holds them back to back (a delta record's base, or payloads read alone)."""
+    out, pos = [], 0
+    for start, end in spans:
+        for p in shard.pieces:
+            lo, hi = max(start, p.start), min(end, p.start + p.length)
+            if lo < hi:
+                out.append(StoredPiece(pos, hi - lo, p.chunk, p.offset + lo - p.start))
+                pos += hi - lo
     return out
+
+
+def _clip(shard: ShardRecord, start: int, end: int) -> list[list[Any]]:
+    """[chunk, offset, length] of the bytes [start, end) of a shard: what a key names."""
+    return [[p.chunk, p.offset, p.length] for p in span_pieces(shard, [(start, end)])]
 
 
 def _key(*parts: Any) -> str:
@@ -60,13 +71,13 @@ def versions_of(item: ItemRecord) -> tuple[str, tuple[str, ...]]:
     of the key before it and where the payload is."""
     shards = item.shards
     key = _key(item.dtype_name, list(item.size or ()),
-               [[list(s.offsets), list(s.sizes), _clip(s.pieces, 0, s.nbytes)] for s in shards])
+               [[list(s.offsets), list(s.sizes), _clip(s, 0, s.nbytes)] for s in shards])
     chain: list[str] = []
     for s in shards:
         pos = s.nbytes
         for length in s.deltas:
             chain.append(key)
-            key = _key(key, _clip(s.pieces, pos, pos + length))
+            key = _key(key, _clip(s, pos, pos + length))
             pos += length
     return key, tuple(chain)
 
@@ -78,6 +89,7 @@ def tensor_versions(manifest: Manifest) -> dict[str, TensorVersion]:
         if item.kind != "tensor":
             continue
         key, chain = versions_of(item)
+        assert item.dtype is not None, "a tensor record has a dtype"
         out[fqn] = TensorVersion(key, chain, item.dtype, tuple(item.size or ()),
                                  sum(s.nbytes for s in item.shards))
     return out

@@ -204,13 +204,6 @@ class ItemRecord:
         return item
 
     @property
-    def is_delta(self) -> bool:
-        """Whether the record is a delta record (a base and payloads, docs/format.md)."""
-        if self._shards is None:
-            return bool(self._deltas)
-        return any(s.deltas for s in self._shards)
-
-    @property
     def dtype(self) -> torch.dtype | None:
         if isinstance(self._dtype, str):
             self._dtype = parse_dtype(str(self._dtype))

@@ -177,7 +177,7 @@ def tensor_versions(session: Runtime, url: Any, *,
 
 def load_changes(session: Runtime, url: Any, served: Mapping[str, str], *, names: Any = None,
                  process_group: Any = None, storage_options: dict[str, Any] | None = None,
-                 memory_limit: int | None = None) -> Iterator[Change]:
+                 memory_limit: int | None = None, cache_dir: str | None = None) -> Iterator[Change]:
     """The tensors of a checkpoint whose ``TensorVersion.key`` differs from ``served[name]``
     (only ``names``, if given), as ``Change``s: ``kind="delta"`` (``mask`` and ``values``
     of the elements changed since the served version, read from its delta payloads alone)
@@ -185,10 +185,12 @@ def load_changes(session: Runtime, url: Any, served: Mapping[str, str], *, names
     With ``process_group`` every member calls with the same arguments, gets every Change,
     and each chunk is read from storage once across the group. At most ``memory_limit``
     bytes (default 2 GiB) are in flight; each Change is yielded once its bytes are
-    verified, and failures are ckptturbo errors raised from the iterator."""
+    verified, and failures are ckptturbo errors raised from the iterator. ``cache_dir``:
+    the node's cache tier (see TurboReader), which the processes of a node share so that
+    each chunk leaves storage once per node."""
     return changes.load_changes(session, str(url), served, names=names,
                                 process_group=process_group, storage_options=storage_options,
-                                memory_limit=memory_limit)
+                                memory_limit=memory_limit, cache_dir=cache_dir)
 
 
 def delete(session: Runtime, url: Any, *, storage_options: dict[str, Any] | None = None,

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
 from .broadcast_schedule import Part, Transfer, needs_communication, schedule
 from .checkpoint_id import servable
+from .chunk_cache import CachedChunkSource
 from .chunk_source import ChunkSource
 from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
@@ -40,6 +41,7 @@ from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
 from .runs import Location
 from .runtime import Runtime, resolve, wait_for_saves
 from .staging import DeviceCopier, as_uint8
+from .stream.cache import DiskCache
 
 
 class LocalReads(NamedTuple):
@@ -103,6 +105,10 @@ class TurboReader(StorageReader):
             True hands the stored bytes over unchecked.
         session: the ``ckptturbo.Session`` (a runtime) whose I/O threads and gloo groups this reader
             uses (default: the process's default session).
+        cache_dir: a node-local directory shared by the processes of a node (the node's
+            cache tier, :mod:`ckptturbo.chunk_cache`): chunks found there are not read from
+            storage, chunks read are left there, and a chunk several processes want at
+            once is read by one of them. ``cache_bytes`` bounds it (LRU; 64 GiB default).
         manifest: the checkpoint's manifest when the caller has read it, or a view of it
             (``changes`` reads byte spans of tensors as tensors of their own: items made
             of the manifest's chunks, with its chunk table and store); default: read here.
@@ -129,6 +135,8 @@ class TurboReader(StorageReader):
         transport: str = "auto",
         session: Runtime | None = None,
         manifest: Manifest | None = None,
+        cache_dir: str | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         self._session = session
         self.url = str(url)
@@ -149,6 +157,8 @@ class TurboReader(StorageReader):
         self._source: ChunkSource | None = None
         self._location: Location | None = None
         self._manifest: Manifest | None = manifest
+        self.cache_dir = cache_dir
+        self.cache_bytes = cache_bytes
         self._shards: Mapping[MetadataIndex, ShardRecord] = {}
         self._chunk_sizes: dict[str, int] = {}
         self._local_items: list[ReadItem] | None = None
@@ -171,8 +181,14 @@ class TurboReader(StorageReader):
     def chunks(self) -> ChunkSource:
         """This checkpoint's verified chunk reads (and their counts), since the last reset."""
         if self._source is None:
-            self._source = ChunkSource(self.location, self.read_manifest(), self.url,
-                                       self.verify_mode)
+            if self.cache_dir:
+                self._source = CachedChunkSource(self.location, self.read_manifest(), self.url,
+                                                 self.verify_mode,
+                                                 DiskCache(self.cache_dir, self.cache_bytes),
+                                                 self.timeout)
+            else:
+                self._source = ChunkSource(self.location, self.read_manifest(), self.url,
+                                           self.verify_mode)
         return self._source
 
     @property

@@ -1,10 +1,11 @@
 """The session: the public operations over a runtime.
 
 ``ct.save``/``ct.load``/``ct.load_state_dict``/``ct.delete``/``ct.exists``/
-``ct.list_checkpoints`` are the methods of :func:`default_session`. A :class:`Session` is
-a :class:`~ckptturbo.runtime.Runtime` (the owner of the process's I/O state: pools,
-groups, saves in flight, the wait at exit) with those operations on top; each method is
-the operation of ``ckptturbo.operations`` that bears its name, run on this session.
+``ct.list_checkpoints``/``ct.tensor_versions``/``ct.load_changes`` are the methods of
+:func:`default_session`. A :class:`Session` is a :class:`~ckptturbo.runtime.Runtime`
+(the owner of the process's I/O state: pools, groups, saves in flight, the wait at exit)
+with those operations on top; each method is the operation of ``ckptturbo.operations``
+that bears its name, run on this session.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class Session(runtime.Runtime):
     exists = _method(operations.exists)
     list_checkpoints = _method(operations.list_checkpoints)
     collect_garbage = _method(operations.collect_garbage)
+    tensor_versions = _method(operations.tensor_versions)
+    load_changes = _method(operations.load_changes)
 
     def __enter__(self) -> Session:
         return self

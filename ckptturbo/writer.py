@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import catalog, replicas, save_plan
 from .checkpoint_id import servable
-from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD
-from .errors import CkptTurboError, ReplicaMismatchError
+from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD, chunk_id
 from .delta_save import DeltaPlan
+from .errors import CkptTurboError, ReplicaMismatchError
 from .manifest import build_manifest
 from .manifest_delta import with_deltas
 from .plan.digests import PlanDigest
@@ -294,6 +294,10 @@ class TurboWriter(StorageWriter, AsyncStager):
         for r in sent:
             markers[r.save_id].append(r.rank)
         try:
+            if self.delta is not None:  # the base chunks it names stay until the commit
+                hold = chunk_id(f"{self.save_id}|delta".encode())[:32]
+                markers[hold].append(self.rank)
+                self.delta.hold(location.run, hold, self.rank, self.url)
             replicas.check((r.prints for r in sent), _indices(metadata),
                            raise_=self.on_replica_mismatch == "raise")
             manifest = build_manifest(metadata, save_plan.decode_results(sent), url=self.url,

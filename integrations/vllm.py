@@ -51,6 +51,8 @@ import ckptturbo as ct
 from ckptturbo.errors import CheckpointKindError, CkptTurboError, MismatchError
 from ckptturbo.stream import SafetensorsStream
 
+from .vllm_shared import share
+
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "ckptturbo"
@@ -203,7 +205,7 @@ def checkpoint_weights(options: LoaderOptions,
 def _load_batch(batch: dict[str, torch.Tensor], options: LoaderOptions,
                 process_group: Any) -> Iterator[tuple[str, torch.Tensor]]:
     ct.load(batch, options.url, process_group=process_group,
-            storage_options=options.storage_options, strict=False)
+            storage_options=options.storage_options, strict=False, cache_dir=options.cache_dir)
     yield from batch.items()
 
 
@@ -309,9 +311,10 @@ class CkptTurboModelLoader(BaseModelLoader):
             if opened.kind == "checkpoint":
                 versions = {name: v.key for name, v in
                             ct.tensor_versions(self.options.url,
-                                               storage_options=self.options.storage_options)
+                                                 storage_options=self.options.storage_options)
                             .items()}
-            ServedWeights().remember(model, self.options.url, versions, kept)
+            ServedWeights().remember(model, self.options.url, versions,
+                                     share(kept, tensor_parallel_group()))
         if loaded is not None and model_config.quantization is None:
             missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
             if missing:

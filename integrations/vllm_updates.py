@@ -14,8 +14,10 @@ tensors as the checkpoint holds them. ``ct.load_changes`` compares the keys with
 checkpoint's manifest before a byte is read: equal tensors are skipped, tensors saved as
 deltas of the version served arrive as their changed elements only (applied to the host
 copy, bit-exact), the rest arrive whole; every chunk is verified, and over the
-tensor-parallel ``cpu_group`` each is read from storage once and forwarded. A URL of
-safetensors has no content keys: every tensor is read (once across the workers).
+tensor-parallel ``cpu_group`` each is read from storage once and forwarded; with
+``cache_dir`` (the node's cache tier) the engines of a node read each chunk once between
+them. A URL of safetensors has no content keys: every tensor is read (once across the
+workers).
 
 Staged, then swapped. Nothing in the model changes until every worker has read and
 verified every changed tensor and checked its name, shape and dtype against the tensors
@@ -26,12 +28,14 @@ tensors: the parameters' ``weight_loader`` cuts tensor-parallel slices and fuses
 gate_up, and layers that repack or quantize their weights after loading (vLLM's CPU
 kernels, online quantization) process them again. A swap that fails on any worker is
 undone on every worker by feeding the same layers their previous tensors. Memory: the
-host copy (the checkpoint's bytes, per worker) plus the changed tensors while staged.
+host copy (the checkpoint's bytes, once per node: the tensor-parallel workers of a node
+map one copy, :mod:`~ckptturbo.integrations.vllm_shared`) plus the changed tensors while
+staged.
 
 vLLM runs the update between two model steps, on every worker at the same boundary, so no
 forward pass sees a half-written model: requests in flight are served by the old weights
-up to the update and by the new ones after it (``/pause`` first for requests that must
-see one version only).
+up to the update and by the new ones after it (``/pause?mode=wait`` first for requests
+that must see one version only).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ from .vllm import (
     served_weights,
     tensor_parallel_group,
 )
+from .vllm_shared import share
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,7 @@ class UpdateDefaults(WeightTransferInitInfo):
 
     storage_options: dict[str, Any] = field(default_factory=dict)
     memory_limit: int | None = None
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -85,6 +91,7 @@ class UpdateRequest(WeightTransferUpdateInfo):
     url: str
     storage_options: dict[str, Any] | None = None
     memory_limit: int | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -128,6 +135,7 @@ class WeightUpdate:
         self.storage_options = (request.storage_options if request.storage_options is not None
                                 else defaults.storage_options)
         self.memory_limit = request.memory_limit or defaults.memory_limit
+        self.cache_dir = request.cache_dir or defaults.cache_dir
         self.group = group
         self.report = UpdateReport(self.url)
 
@@ -137,6 +145,11 @@ class WeightUpdate:
         started = time.perf_counter()
         served = served_weights(self.model)
         versions, staged = self._agreed("reading", lambda: self._stage(served))
+        try:
+            staged = share(staged, self.group)  # one host copy per node, not per worker
+        except Exception as exc:
+            raise UpdateFailed(f"weight update to {self.url} failed while staging; the "
+                               f"previous weights still serve: {exc}") from exc
         affected = {layer_of(name) for name in staged}
         fresh = {**served.host, **staged}
         names = [name for name in fresh if layer_of(name) in affected]
@@ -192,7 +205,8 @@ class WeightUpdate:
         if redo:  # deltas of tensors this worker holds no copy of: the whole tensors
             for change in ct.load_changes(self.url, {}, names=redo, process_group=self.group,
                                           storage_options=self.storage_options,
-                                          memory_limit=self.memory_limit):
+                                          memory_limit=self.memory_limit,
+                                          cache_dir=self.cache_dir):
                 staged[change.name] = self._checked(served, change.name, change.tensor)
                 self.report.full += 1
         self.report.staged_bytes = sum(t.numel() * t.element_size() for t in staged.values())
@@ -205,53 +219,66 @@ class WeightUpdate:
         against what this worker serves."""
         try:
             found = ct.tensor_versions(self.url, storage_options=self.storage_options)
-            versions = {name: version.key for name, version in found.items()}
         except CheckpointKindError:
             options = LoaderOptions(self.url, self.storage_options or {},
-                                    memory_limit=self.memory_limit)
+                                    memory_limit=self.memory_limit, cache_dir=self.cache_dir)
             return None, (_Whole(name, tensor) for name, tensor
                           in Weights(options, self.group).start())
+        for name, version in found.items():  # from the manifest, before a byte is read
+            self._check(served, name, version.shape, version.dtype)
+        versions = {name: version.key for name, version in found.items()}
         changes = ct.load_changes(self.url, served.keys_for(versions), process_group=self.group,
                                   storage_options=self.storage_options,
-                                  memory_limit=self.memory_limit)
+                                  memory_limit=self.memory_limit, cache_dir=self.cache_dir)
         return versions, changes
 
     def _checked(self, served: ServedWeights, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` if the served model has a tensor of that name, shape and dtype (any,
-        when no host copy is held: a model loaded without ckptturbo)."""
+        self._check(served, name, tuple(tensor.shape), tensor.dtype)
+        return tensor
+
+    def _check(self, served: ServedWeights, name: str, shape: tuple[int, ...],
+               dtype: torch.dtype) -> None:
+        """The served model has a tensor of that name, shape and dtype (any, when no host
+        copy is held: a model loaded without ckptturbo)."""
         if not served.host:
-            return tensor
+            return
         old = served.host.get(name)
         if old is None:
             raise MismatchError(f"{self.url}: tensor {name!r} is not a tensor of the served "
                                 f"model ({served.url})")
-        if old.shape != tensor.shape or old.dtype != tensor.dtype:
-            raise MismatchError(f"{self.url}: tensor {name!r} is {tuple(tensor.shape)} "
-                                f"{tensor.dtype}, the served model's is {tuple(old.shape)} "
-                                f"{old.dtype}")
-        return tensor
+        if tuple(old.shape) != tuple(shape) or old.dtype != dtype:
+            raise MismatchError(f"{self.url}: tensor {name!r} is {tuple(shape)} {dtype}, the "
+                                f"served model's is {tuple(old.shape)} {old.dtype}")
 
     def _swap(self, feed: list[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's layerwise reload of the layers in ``feed`` (the others keep their
-        kernel tensors)."""
+        """vLLM's layerwise reload of the layers in ``feed``; only those are prepared for
+        it (the others keep their kernel tensors untouched, and vLLM does not warn about
+        each of them as a layer that failed to load)."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        initialize_layerwise_reload(self.model)
+        for module in self._modules({layer_of(name) for name, _ in feed}):
+            initialize_layerwise_reload(module)
         try:
             cast(_LoadsWeights, self.model).load_weights(feed)
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
 
+    def _modules(self, layers: set[str]) -> list[nn.Module]:
+        """The model's modules named like the checkpoint's layers (Llama-style models name
+        them alike); the whole model when a name has no module of its own."""
+        try:
+            return [self.model.get_submodule(layer) for layer in sorted(layers)]
+        except AttributeError:
+            return [self.model]
+
 
 def _apply_delta(base: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A new tensor: ``base`` with the masked elements replaced (the host copy stays).
-    ``masked_scatter_`` fills them in row-major order, as boolean indexing does, in a
-    third of its time (a model's worth of deltas: seconds on a CPU)."""
+    """A new tensor: ``base`` with the masked elements replaced (the host copy stays)."""
     out = base.clone()
-    out.masked_scatter_(mask.reshape(out.shape), values.to(out.dtype))
+    out.view(-1)[mask.reshape(-1)] = values.to(out.dtype)
     return out
 
 
@@ -292,7 +319,8 @@ class CkptTurboWeightTransferEngine(WeightTransferEngine[UpdateDefaults, UpdateR
             return UpdateRequest(**update_dict)
         except (TypeError, ValueError) as exc:
             raise UpdateFailed(f"weight update not started: update_info {update_dict!r} is not "
-                               "{'url': ..., 'storage_options'?: {...}, 'memory_limit'?: int}: "
+                               "{'url': ..., 'storage_options'?: {...}, 'memory_limit'?: int, "
+                               "'cache_dir'?: str}: "
                                f"{exc}") from exc
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

@@ -5,14 +5,16 @@ Usage: python integration_vllm_update.py SPEC_JSON OUT_FILE
 SPEC: ``{"model": dir, "load_format": str, "extra": {...}, "tp": int, "control": port|null,
 "steps": [{"url": str, "storage_options": {...}, "outage": str|null, "raw": {...}|null}]}``.
 ``raw`` sends that ``update_info`` dict as is (a malformed request); ``outage`` switches the
-byte-counting proxy (``control`` is its port) to that outage for the step.
+byte-counting proxy (``control`` is its port) to that outage for the step; ``retry_for``
+repeats a failing update until it succeeds or that many seconds have passed (a store
+that refused requests is treated as down for a while: a caller's loop retries).
 
 Writes ``{"loaded": record, "steps": [record, ...]}`` to OUT_FILE, where a record is
 ``{"error": str|None, "bytes": int, "seconds": float, "version": str, "tokens": [[...]],
-"logprobs": [[...]], "weights": {name: tensor}}``: the weights, greedy tokens and their
-logprobs after the step, so the test can compare them with a fresh engine's and with the
-previous step's (on vLLM's CPU build linear layers are repacked after loading and their
-parameters read empty: the logprobs show what the weights compute).
+"logprobs": [[{token: logprob}]], "weights": {name: tensor}}``: greedy tokens, their top
+logprobs and the visible parameters after the step (vLLM's CPU kernels repack linear
+weights, whose parameters are then empty), to compare with a fresh engine's and with the
+previous step's.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def main() -> None:
     out = sys.argv[2]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    # TP workers unpickle the function by its module's name, which __main__ is not
+    # TP workers unpickle apply_model's function by its module's name, which __main__ is not
     import integration_vllm_update as importable
     import torch
     from vllm import LLM, SamplingParams
@@ -50,7 +52,7 @@ def main() -> None:
               enforce_eager=True, max_model_len=128, max_num_seqs=2, seed=0,
               tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
               weight_transfer_config={"backend": "ckptturbo"})
-    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=3)
 
     def record(error: str | None, fetched: int, seconds: float) -> dict[str, Any]:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -58,9 +60,8 @@ def main() -> None:
         return {"error": error, "bytes": fetched, "seconds": seconds,
                 "version": llm.get_weight_version(),
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "logprobs": [[step[token].logprob for token, step
-                              in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
-                             for o in outputs],
+                "logprobs": [[{t: lp.logprob for t, lp in position.items()}
+                              for position in o.outputs[0].logprobs or []] for o in outputs],
                 "weights": weights}
 
     result: dict[str, Any] = {"loaded": record(None, 0, 0.0), "steps": []}
@@ -82,7 +83,15 @@ def main() -> None:
                     except Exception:  # noqa: BLE001 - the failed update ended the session
                         pass
             else:
-                ctv.update_weights(llm, step["url"], storage_options=step.get("storage_options"))
+                deadline = time.monotonic() + float(step.get("retry_for", 0))
+                while True:
+                    try:
+                        ctv.update_weights(llm, step["url"],
+                                           storage_options=step.get("storage_options"))
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
         except Exception as exc:  # noqa: BLE001 - recorded: the test checks it
             error = f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - started

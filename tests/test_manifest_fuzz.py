@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import ckptturbo as ct
 from ckptturbo.manifest import Manifest
+from ckptturbo.manifest_delta import tensor_versions
 
 EXAMPLES = 10_000 if os.environ.get("CKPTTURBO_SOAK") else 400
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -38,6 +39,21 @@ def valid_doc(tmp_path_factory) -> dict:
           "b": torch.ones(3, dtype=torch.bfloat16), "step": 3}
     ct.save(sd, url, chunk_size=128, pack_threshold=64).wait(timeout=60)
     return json.loads((root / "run" / "step-1" / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def delta_doc(tmp_path_factory) -> dict:
+    """A version 4 manifest: one tensor a delta record over its base, one unchanged."""
+    root = tmp_path_factory.mktemp("fuzz-delta")
+    base = {"w": torch.zeros(16, 16, dtype=torch.bfloat16), "b": torch.ones(3)}
+    ct.save(base, str(root / "run" / "step-1"), pack_threshold=64).wait(timeout=60)
+    new = {"w": base["w"].clone(), "b": base["b"]}
+    new["w"][3, 4] = 1
+    ct.save(new, str(root / "run" / "step-2"), pack_threshold=64,
+            delta_from=str(root / "run" / "step-1")).wait(timeout=60)
+    doc = json.loads((root / "run" / "step-2" / "manifest.json").read_text())
+    assert doc["version"] == 4 and doc["items"]["w"][0] == "delta"
+    return doc
 
 
 json_values = st.recursive(
@@ -72,7 +88,9 @@ def _replace(doc: object, path: tuple, value: object) -> object:
 
 def _parse(data: bytes) -> None:
     try:
-        Manifest.from_bytes(data, "fuzzed/manifest.json").to_metadata()
+        manifest = Manifest.from_bytes(data, "fuzzed/manifest.json")
+        manifest.to_metadata()
+        tensor_versions(manifest)  # builds every shard, delta records' too
     except ct.CkptTurboError:
         pass
 
@@ -84,6 +102,13 @@ def test_structural_mutations_raise_only_ckptturbo_errors(valid_doc, data):
     path = data.draw(st.sampled_from(paths))
     value = data.draw(json_values)
     _parse(seal(_replace(valid_doc, path, value)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_delta_record_mutations_raise_only_ckptturbo_errors(delta_doc, data):
+    path = data.draw(st.sampled_from(_paths(delta_doc)))
+    _parse(seal(_replace(delta_doc, path, data.draw(json_values))))
 
 
 @FUZZ
