@@ -48,7 +48,7 @@ SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1
            "cluster": 64}
 REPS = {"local-1p": 3, "s3-1p": 2, "ddp-4r-local": 2, "ddp-4r-s3": 2, "one-big-replicated": 2,
         "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1, "tiers": 2,
-        "live-update": 2, "cluster": 5}
+        "live-update": 3, "cluster": 5}
 
 
 def _scenarios() -> dict[str, Callable[[Any], Report]]:

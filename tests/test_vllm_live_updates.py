@@ -33,6 +33,7 @@ import torch
 pytest.importorskip("vllm")
 
 from test_integration_vllm import TESTS, _free_port, _scratch_env  # noqa: E402
+from test_vllm_updates import _tiny_llama  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
 import ckptturbo as ct  # noqa: E402
@@ -54,18 +55,7 @@ class LiveRun:
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory, s3_server) -> LiveRun:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("live-llama")
-    # head_dim 64: a size vLLM's CPU attention kernels support
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    cfg.save_pretrained(root)
-    model.generation_config.save_pretrained(root)
-    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    config, base = _tiny_llama(tmp_path_factory.mktemp("live-llama"))
     changed = dict(base)
     gen = torch.Generator().manual_seed(1)
     for name, tensor in base.items():
@@ -74,11 +64,11 @@ def live_run(tmp_path_factory, s3_server) -> LiveRun:
             changed[name] = torch.where(mask, tensor + 0.05, tensor)
     down = "model.layers.0.mlp.down_proj.weight"
     changed[down] = torch.randn(base[down].shape, generator=gen) * 0.02
-    run = s3_server.url("vllm-live")
+    run = s3_server.url("vllm-live-loop")  # a run of its own: test_vllm_updates damages chunks
     options = s3_server.storage_options
     ct.save(base, f"{run}/base", storage_options=options).wait(120)
     ct.save(changed, f"{run}/next", storage_options=options, delta_from=f"{run}/base").wait(120)
-    return LiveRun(str(root), f"{run}/base", f"{run}/next", options)
+    return LiveRun(config, f"{run}/base", f"{run}/next", options)
 
 
 # --------------------------------------------------------------------------- HTTP
