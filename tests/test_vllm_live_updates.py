@@ -51,6 +51,8 @@ class LiveRun:
     base: str
     next: str
     storage_options: dict[str, Any]
+    changed_bytes: int  # of the tensors that differ between the two
+    model_bytes: int
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,14 @@ def live_run(tmp_path_factory, s3_server) -> LiveRun:
     changed[down] = torch.randn(base[down].shape, generator=gen) * 0.02
     run = s3_server.url("vllm-live-loop")  # a run of its own: test_vllm_updates damages chunks
     options = s3_server.storage_options
-    ct.save(base, f"{run}/base", storage_options=options).wait(120)
-    ct.save(changed, f"{run}/next", storage_options=options, delta_from=f"{run}/base").wait(120)
-    return LiveRun(config, f"{run}/base", f"{run}/next", options)
+    # tensors of 16 KiB and more get chunks of their own: an unchanged one keeps its key
+    # (below the pack threshold tensors share chunks, and one change re-keys its pack)
+    ct.save(base, f"{run}/base", storage_options=options, pack_threshold=16 << 10).wait(120)
+    ct.save(changed, f"{run}/next", storage_options=options, pack_threshold=16 << 10,
+            delta_from=f"{run}/base").wait(120)
+    changed_bytes = sum(t.nbytes for name, t in base.items() if not torch.equal(t, changed[name]))
+    return LiveRun(config, f"{run}/base", f"{run}/next", options, changed_bytes,
+                   sum(t.nbytes for t in base.values()))
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -272,8 +279,10 @@ def test_tensor_parallel_update_reads_once(s3_server, live_run, tmp_path):
     for name, tensor in fresh["weights"].items():
         assert torch.equal(to_next["weights"][name], tensor), name
     # each changed byte crossed the proxy once for both workers: what one reader reads
-    # (the manifest, then the changed tensors, or the deltas' payloads alone), not twice
-    assert once["next"] < once["base"] / 2, once
+    # (the manifest, then the changed tensors, or the deltas' payloads alone), not twice;
+    # the unchanged tensors not at all
+    assert live_run.changed_bytes <= once["base"] < live_run.changed_bytes + (64 << 10), once
+    assert once["next"] < live_run.changed_bytes / 2, once  # the deltas' payloads
     for step, name in ((to_base, "base"), (to_next, "next")):
         assert 0.9 * once[name] <= step["bytes"] < 1.2 * once[name], (name, step["bytes"], once)
 
