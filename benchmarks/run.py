@@ -15,6 +15,9 @@ Scenarios (see docs/benchmarks.md for what each compares and the targets):
     tiers               --ranks/2 "nodes" of 2 ranks: recovery of a lost node from its peers'
                         memory vs a load from S3 behind a 20 ms, 50 MB/s proxy; the stall of
                         a memory-tier save every step; host memory per node
+    live-update         a running vLLM engine (CPU) moved to new checkpoints: a tenth of the
+                        tensors changed, all, dense 10% deltas; bytes from storage vs the
+                        changed chunks and a full reload, time vs vLLM's reload_weights
     cluster             a cluster in miniature (root: network namespaces, shaped links, the
                         store behind its own link): every result as time / physical limit and
                         against DCP fsspec, s3torchconnector, Run:ai (--nodes, --parts, --scale)
@@ -41,14 +44,22 @@ from .report import Report
 
 SIZE_MB = {"local-1p": 1024, "s3-1p": 1024, "ddp-4r-local": 1024, "ddp-4r-s3": 1024,
            "one-big-replicated": 1024, "incremental": 1024, "async-stall": 1024,
-           "grouped-load": 1024, "coordinator-scale": 0, "tiers": 1024, "cluster": 64}
+           "grouped-load": 1024, "coordinator-scale": 0, "tiers": 1024, "live-update": 160,
+           "cluster": 64}
 REPS = {"local-1p": 3, "s3-1p": 2, "ddp-4r-local": 2, "ddp-4r-s3": 2, "one-big-replicated": 2,
         "incremental": 2, "async-stall": 2, "grouped-load": 2, "coordinator-scale": 1, "tiers": 2,
-        "cluster": 5}
+        "live-update": 3, "cluster": 5}
 
 
 def _scenarios() -> dict[str, Callable[[Any], Report]]:
-    from . import cluster, coordinator_scale, scenarios_dist, scenarios_single, tiers_recovery
+    from . import (
+        cluster,
+        coordinator_scale,
+        live_update,
+        scenarios_dist,
+        scenarios_single,
+        tiers_recovery,
+    )
 
     return {
         "local-1p": scenarios_single.local_1p,
@@ -61,6 +72,7 @@ def _scenarios() -> dict[str, Callable[[Any], Report]]:
         "grouped-load": scenarios_dist.grouped_load,
         "coordinator-scale": coordinator_scale.scenario,
         "tiers": tiers_recovery.scenario,
+        "live-update": live_update.scenario,
         "cluster": cluster.scenario,
     }
 

@@ -87,6 +87,8 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
                 with single_process(group is None):
                     dcp.save(to_save, storage_writer=writer, process_group=group,
                              planner=planner, no_dist=group is None)
+                if writer.delta is not None and writer.delta.committed:
+                    session.keep_delta_base(url, writer.delta.kept())
             finally:  # before after_commit: once it resolves `local`, the next save sets its own
                 writer.on_staged = None
                 writer.delta = None

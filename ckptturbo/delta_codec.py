@@ -54,9 +54,15 @@ def encode(mask: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([bits, values.reshape(-1).view(torch.uint8)])
 
 
+def count(mask: torch.Tensor) -> int:
+    """The changed elements of a bool mask (numpy's count: a torch sum of a bool tensor
+    of millions of elements is ~100x slower, and every delta is counted on save and load)."""
+    return int(np.count_nonzero(mask.cpu().numpy()))
+
+
 def payload_bytes(mask: torch.Tensor, itemsize: int) -> int:
     """How many bytes ``encode`` makes of ``mask`` for elements of ``itemsize`` bytes."""
-    return mask_bytes(mask.numel()) + int(mask.sum()) * itemsize
+    return mask_bytes(mask.numel()) + count(mask) * itemsize
 
 
 def split(payload: torch.Tensor, numel: int, dtype: torch.dtype,
@@ -69,19 +75,26 @@ def split(payload: torch.Tensor, numel: int, dtype: torch.dtype,
         raise FormatError(f"{where}: a delta payload of {data.numel()} bytes is shorter than "
                           f"its mask of {head}")
     bits = np.unpackbits(data[:head].numpy(), count=numel, bitorder="little")
-    mask = torch.from_numpy(bits.astype(bool))
-    count = int(mask.sum())
+    mask = torch.from_numpy(bits.view(bool))
+    changed_count = int(np.count_nonzero(bits))
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if data.numel() - head != count * itemsize:
+    if data.numel() - head != changed_count * itemsize:
         raise FormatError(f"{where}: a delta payload holds {data.numel() - head} bytes of "
-                          f"values for {count} changed elements of {itemsize} bytes")
+                          f"values for {changed_count} changed elements of {itemsize} bytes")
     return mask, data[head:].clone().view(dtype)
 
 
 def apply(value: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values`` into the masked elements of ``value`` (contiguous), in place."""
+    """Write ``values`` into the masked elements of ``value`` (contiguous), in place
+    (``masked_scatter_``: the same elements in the same order as boolean indexing, 2-3x
+    faster on the CPU)."""
     rows = _rows(value)
-    rows[mask.to(value.device)] = _rows(values.to(value.device))
+    mask = mask.to(value.device).reshape(-1)
+    src = _rows(values.to(value.device))
+    if rows.dim() == 1:
+        rows.masked_scatter_(mask, src)
+    else:
+        rows[mask] = src
 
 
 def compose(parts: list[tuple[torch.Tensor, torch.Tensor]], numel: int,

@@ -3,8 +3,11 @@ base's bits is saved as a payload of its changed elements (``delta_codec``) inst
 its full bytes.
 
 ``prepare`` runs on the save's own thread before DCP's save, so the caller still waits only
-for ``handle.staged``. It reads the base's values from the base checkpoint (verified, in
-batches of bounded memory; nothing is kept between saves), compares bit for bit, and
+for ``handle.staged``. It takes the base's values from the runtime when this process's
+previous delta save committed the base (``Runtime.keep_delta_base``: a host copy of the
+tensors it compared, one save's worth, so a chain of delta saves reads nothing back), and
+otherwise reads them from the base checkpoint (verified, in batches of bounded memory).
+It compares bit for bit, and
 hands DCP a state dict in which every such tensor is replaced by its payload, a uint8
 tensor (empty when nothing changed), stored, deduplicated and verified like any tensor.
 The writer's commit then turns those items into delta records (``manifest_delta``): the
@@ -24,7 +27,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from . import catalog, delta_codec
 from .changes import DEFAULT_MEMORY_LIMIT, read_manifest, read_values
 from .errors import ChunksUnavailable, CkptTurboError
-from .manifest_delta import DeltaBase, delta_room
+from .manifest_delta import DeltaBase, delta_room, versions_of
 from .manifest_records import ItemRecord
 from .runs import Location, RunStore
 from .runtime import Runtime, index_for
@@ -35,11 +38,21 @@ log = logging.getLogger(__name__)
 
 class DeltaPlan:
     """What a delta save's commit needs: the base record of each tensor stored over it
-    (``manifest_delta.with_deltas``) and the sizes of the base's chunks."""
+    (``manifest_delta.with_deltas``) and the sizes of the base's chunks; and ``values``,
+    host copies of the tensors compared, which the next delta save over this one takes
+    as its base once this one committed."""
 
-    def __init__(self, bases: dict[str, DeltaBase], chunks: Mapping[str, int]) -> None:
+    def __init__(self, bases: dict[str, DeltaBase], chunks: Mapping[str, int],
+                 values: dict[str, torch.Tensor]) -> None:
         self.bases = bases
         self.chunks = chunks
+        self.values = values
+        self.committed: dict[str, str] = {}  # name -> key, set by the commit
+
+    def kept(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """What the runtime keeps for the next delta save over this one: each compared
+        tensor with the key its committed record has (``Runtime.keep_delta_base``)."""
+        return {name: (key, self.values[name]) for name, key in self.committed.items()}
 
     def hold(self, run: RunStore, marker: str, rank: int, url: str) -> None:
         """Keep the base chunks the commit names from a gc until the commit: announce as
@@ -79,22 +92,24 @@ def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_s
     candidates = {name: manifest.items[name] for name, value in flat.items()
                   if _comparable(value, manifest.items.get(name))}
     bases: dict[str, DeltaBase] = {}
+    kept = runtime.delta_base(base_url)
+    values = {name: flat[name].detach().to("cpu", copy=True) for name in candidates}
     batch: dict[str, ItemRecord] = {}
     held = 0
     for name, record in candidates.items():
         batch[name] = record
         held += 2 * flat[name].numel() * flat[name].element_size()
         if held >= DEFAULT_MEMORY_LIMIT:
-            _compare(runtime, base_url, storage_options, manifest, batch, flat, bases)
+            _compare(runtime, base_url, storage_options, manifest, batch, flat, bases, kept)
             batch, held = {}, 0
     if batch:
-        _compare(runtime, base_url, storage_options, manifest, batch, flat, bases)
+        _compare(runtime, base_url, storage_options, manifest, batch, flat, bases, kept)
     log.info("delta save over %s: %d of %d entries as deltas, %d unchanged", base_url,
              sum(b.payload for b in bases.values()), len(flat),
              sum(not b.payload for b in bases.values()))
     if not bases:  # a plain save
         return state_dict, None
-    return unflatten_state_dict(flat, mapping), DeltaPlan(bases, manifest.chunks)
+    return unflatten_state_dict(flat, mapping), DeltaPlan(bases, manifest.chunks, values)
 
 
 def _comparable(value: Any, record: ItemRecord | None) -> bool:
@@ -107,10 +122,15 @@ def _comparable(value: Any, record: ItemRecord | None) -> bool:
 
 def _compare(runtime: Runtime, base_url: str, storage_options: dict[str, Any] | None,
              manifest: Any, batch: dict[str, ItemRecord], flat: dict[str, Any],
-             bases: dict[str, DeltaBase]) -> None:
-    """Read one batch of base values and replace each tensor of ``flat`` that is stored as
-    a delta (or unchanged) by its payload; record its base in ``bases``."""
-    values = read_values(runtime, base_url, storage_options, manifest, batch, None)
+             bases: dict[str, DeltaBase], kept: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Take one batch of base values (``kept`` where its key is the base record's, else
+    read) and replace each tensor of ``flat`` that is stored as a delta (or unchanged) by
+    its payload; record its base in ``bases``."""
+    values = {name: kept[name][1] for name, record in batch.items()
+              if name in kept and kept[name][0] == versions_of(record)[0]}
+    unread = {name: record for name, record in batch.items() if name not in values}
+    if unread:
+        values.update(read_values(runtime, base_url, storage_options, manifest, unread, None))
     for name, record in batch.items():
         new = flat[name]
         mask = delta_codec.changed(values.pop(name), new.detach().cpu())

@@ -100,6 +100,7 @@ class Runtime:
         self._latest: dict[str, Any] = {}
         self._parked: dict[str, Any] = {}
         self._parked_lock = threading.Lock()  # not _lock: making one may do I/O
+        self._delta_base: tuple[str, dict[str, Any]] | None = None
         _open_runtimes.add(self)
 
     # --- resources --------------------------------------------------------------------
@@ -192,6 +193,19 @@ class Runtime:
         """Remember ``handle`` as the latest tiered save of ``run``."""
         with self._lock:
             self._latest[run] = handle
+
+    def keep_delta_base(self, url: str, values: dict[str, Any]) -> None:
+        """Keep the tensors a delta save committed to ``url`` (name -> (content key, host
+        copy), one save's worth): the next save with ``delta_from=url`` compares with those
+        whose key its base record has instead of reading them back from storage."""
+        with self._lock:
+            self._delta_base = (url_key(url), values)
+
+    def delta_base(self, url: str) -> dict[str, Any]:
+        """The tensors kept for ``delta_from=url`` (empty: none kept, read the base)."""
+        with self._lock:
+            kept = self._delta_base
+        return kept[1] if kept is not None and kept[0] == url_key(url) else {}
 
     def park(self, key: str, make: Callable[[], Any]) -> Any | None:
         """Hold what ``make`` returns under ``key`` until it is claimed or dropped (a shard

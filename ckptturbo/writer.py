@@ -36,7 +36,7 @@ from .chunks import DEFAULT_CHUNK_SIZE, DEFAULT_PACK_THRESHOLD, chunk_id
 from .delta_save import DeltaPlan
 from .errors import CkptTurboError, ReplicaMismatchError
 from .manifest import build_manifest
-from .manifest_delta import with_deltas
+from .manifest_delta import versions_of, with_deltas
 from .plan.digests import PlanDigest
 from .results import SaveStats
 from .runs import Location
@@ -306,6 +306,8 @@ class TurboWriter(StorageWriter, AsyncStager):
                                       world_size=len(results))
             if self.delta is not None:
                 manifest = with_deltas(manifest, self.delta.bases, self.delta.chunks)
+                self.delta.committed = {name: versions_of(manifest.items[name])[0]
+                                        for name in self.delta.values if name in manifest.items}
             replaces = location.self_contained and location.store.exists(location.manifest_path)
             location.write_manifest(manifest)
         finally:

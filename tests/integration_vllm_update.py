@@ -27,11 +27,18 @@ from typing import Any
 PROMPTS = [[1, 5, 7, 9], [3, 141, 59, 26, 53]]
 
 
+def parameters(model: Any) -> dict[str, Any]:
+    """A worker's visible parameters (by reference: TP workers import this module)."""
+    return {n: p.detach().to("cpu").clone() for n, p in model.named_parameters()}
+
+
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     out = sys.argv[2]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # TP workers unpickle apply_model's function by its module's name, which __main__ is not
+    import integration_vllm_update as importable
     import torch
     from vllm import LLM, SamplingParams
 
@@ -49,8 +56,7 @@ def main() -> None:
 
     def record(error: str | None, fetched: int, seconds: float) -> dict[str, Any]:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        (weights, *_) = llm.apply_model(
-            lambda model: {n: p.detach().to("cpu").clone() for n, p in model.named_parameters()})
+        (weights, *_) = llm.apply_model(importable.parameters)
         return {"error": error, "bytes": fetched, "seconds": seconds,
                 "version": llm.get_weight_version(),
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],

@@ -336,3 +336,36 @@ def test_a_collective_delta_save_of_several_ranks_is_refused_at_once(tmp_path):
     ct.save({"w": torch.zeros(4)}, f"{run}/step-0").durable.result()
     for message in run_distributed(_collective_delta_save, 2, run, timeout=120):
         assert "one process" in message, message
+
+
+def test_a_chain_of_delta_saves_reads_its_base_back_once(s3_server):
+    """A delta save over this process's previous delta save compares with the values it
+    kept; the first of the chain, and another session, read the base from storage."""
+    from ckptturbo.testing.proxy_process import ProxyProcess
+
+    run = s3_server.url("delta-kept")
+    states = [base_state()]
+    for i in (1, 2):
+        states.append(updated(states[-1], seed=i))
+    full = sum(t.nbytes for t in states[0]["model"].values())
+    with ProxyProcess(s3_server.endpoint) as proxy:
+        opts = proxy.storage_options(s3_server.storage_options)
+        session, other = ct.Session(), ct.Session()
+        try:
+            read = []
+            session.save(states[0], f"{run}/step-0", storage_options=opts).durable.result()
+            for i, saver in ((1, session), (2, session), (3, other)):
+                proxy.control.reset_stats()
+                state = states[min(i, 2)] if i < 3 else updated(states[2], seed=3)
+                saver.save(state, f"{run}/step-{i}", storage_options=opts,
+                           delta_from=f"{run}/step-{i - 1}").durable.result()
+                read.append(proxy.control.stats().bytes_down)
+        finally:
+            session.close()
+            other.close()
+    assert read[0] >= full  # the first delta save read its base
+    assert read[1] < 64 << 10, read  # the second compared with the values kept: manifests only
+    assert read[2] >= full  # another session keeps nothing: it reads the base
+    got = empty_like_state()
+    ct.load(got, f"{run}/step-2", storage_options=s3_server.storage_options)
+    check(got, states[2])
