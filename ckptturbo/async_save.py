@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from .errors import SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
-from .planner import on_group
+from .planner import TurboSavePlanner, on_group
 from .results import SaveSummary
 from .runtime import Runtime, single_process
 from .staging import SaveHandle
@@ -59,7 +59,7 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
             _gate(previous[-1]).exception()
     grouped = collective and dist.is_initialized()
     group = session.gloo_group(process_group, "save") if grouped else None
-    planner = on_group(planner, group)
+    planner = on_group(planner if planner is not None else TurboSavePlanner(), group, "save")
     started = time.monotonic()
 
     def staged() -> None:

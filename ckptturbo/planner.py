@@ -14,8 +14,11 @@ each distinct plan's first rank sent.
 DCP planners: ``dcp.save``/``dcp.load`` take them with any storage writer or reader
 (another writer gets every item of a group on its first rank, written once; a load
 planner puts each rank's items back in ``finish_plan``). Without a ``process_group`` they
-plan exactly as DCP's defaults (no collective of their own): ``ct.save``/``ct.load`` bind
-their group to them.
+plan exactly as DCP's defaults (no collective of their own): ``ct.save``/``ct.load`` plan
+with them by default and bind their group to them (``on_group``). The exchange carries
+each rank's planner kind: a caller's planner of another kind joins it there
+(``KindChecked``), so ranks that mix kinds all raise ``PlanError`` before any plan is
+sent instead of waiting for the group's timeout in mismatched collectives.
 """
 from __future__ import annotations
 
@@ -27,10 +30,21 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+)
 
-from .errors import CkptTurboError
-from .plan.digests import PlanDigest, first_ranks, plan_digest, ranks_by_digest
+from .errors import CkptTurboError, PlanError
+from .plan.digests import (
+    PlanDigest,
+    first_ranks,
+    kind_conflict,
+    plan_digest,
+    ranks_by_digest,
+)
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -60,7 +74,7 @@ class TurboSavePlanner(DefaultSavePlanner):
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group)
+        return first_with(digest, self.process_group, type(self).__name__, "save")
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's dedup, metadata and validation over the distinct plans only; a sender gets
@@ -110,7 +124,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group)
+        return first_with(digest, self.process_group, type(self).__name__, "load")
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         if all(isinstance(p.planner_data, PlanDigest) for p in global_plan):
@@ -154,21 +168,51 @@ def _read_line(item: ReadItem) -> str:
             f"{tuple(item.lengths)}")
 
 
-def first_with(digest: str, group: Any) -> bool:
+def first_with(digest: str, group: Any, kind: str, what: str) -> bool:
     """Whether this rank is the first in ``group`` with ``digest``: the group's rank 0
-    gathers every digest and broadcasts the first rank of each (the planners' one
-    collective; each rank receives the list of first ranks, not the digests)."""
+    gathers every rank's planner ``kind`` and digest and broadcasts the first rank of each
+    digest (the planners' one collective; each rank receives the list of first ranks, not
+    the digests), or, where the kinds differ, why: then every rank raises ``PlanError``."""
     world = dist.get_world_size(group)
     if world == 1:
         return True
     me = dist.get_rank(group)
     gathered: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object(digest, gathered, group=group, group_dst=0)
-    box: list[Any] = [sorted(first_ranks(gathered).values()) if gathered else None]
+    dist.gather_object((kind, digest), gathered, group=group, group_dst=0)
+    box: list[Any] = [_agree(gathered, what) if gathered else None]
     dist.broadcast_object_list(box, group=group, group_src=0)
     firsts = box[0]
+    if isinstance(firsts, str):
+        raise PlanError(f"rank {me}: {firsts}")
     at = bisect.bisect_left(firsts, me)
     return at < len(firsts) and firsts[at] == me
+
+
+def _agree(gathered: list[tuple[str, str]], what: str) -> list[int] | str:
+    """On the group's rank 0: the sorted first rank of each digest, or the kinds' conflict."""
+    conflict = kind_conflict([kind for kind, _ in gathered], what)
+    if conflict is not None:
+        return conflict
+    return sorted(first_ranks([digest for _, digest in gathered]).values())
+
+
+class KindChecked:
+    """A caller's save or load planner of another kind than ours, on a group of
+    ``ct.save``/``ct.load``: it takes part in the planners' exchange with its kind and no
+    digest before it plans, so a group where some ranks plan with ours fails on every rank
+    with ``PlanError`` instead of hanging. Everything else is the caller's planner's."""
+
+    def __init__(self, planner: Any, group: Any, what: str) -> None:
+        self._planner = planner
+        self._group = group
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def create_local_plan(self) -> Any:
+        first_with("", self._group, type(self._planner).__name__, self._what)
+        return self._planner.create_local_plan()
 
 
 def _groups(plans: list[Any], who: str) -> dict[str, list[int]]:
@@ -189,15 +233,17 @@ def grouped_plan(plan: Any, digest: str, sender: bool) -> Any:
     return dataclasses.replace(plan, items=plan.items if sender else [], planner_data=data)
 
 
-def on_group(planner: Any, group: Any) -> Any:
-    """The planner a ``ct.save`` or ``ct.load`` on ``group`` runs: the caller's, with a planner
-    of ckptturbo's that has no group bound to ``group`` (a copy: the caller's stays as it
-    is); None (DCP's default planner) stays None. Without a group (one process alone) every
-    planner runs as given."""
-    if planner is None:
-        return None
-    ours = isinstance(planner, (TurboSavePlanner, TurboLoadPlanner))
-    if group is not None and ours and planner.process_group is None:
-        planner = copy.copy(planner)
-        planner.process_group = group
-    return planner
+def on_group(planner: Any, group: Any, what: str) -> Any:
+    """The planner a ``ct.save`` or ``ct.load`` on ``group`` runs, given the caller's or
+    the default (one of ours): a planner of ours without a group is bound to ``group`` (a
+    copy: the caller's stays as it is); any other planner joins the kind check
+    (``KindChecked``; ``what``: "save" or "load", for its error). Without a group (one
+    process alone) every planner runs as given."""
+    if group is None:
+        return planner
+    if isinstance(planner, (TurboSavePlanner, TurboLoadPlanner)):
+        if planner.process_group is None:
+            planner = copy.copy(planner)
+            planner.process_group = group
+        return planner
+    return KindChecked(planner, group, what)

@@ -53,6 +53,20 @@ def first_ranks(digests: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def kind_conflict(kinds: Sequence[str], what: str) -> str | None:
+    """Why the ranks of one save or load cannot plan together (``kinds``: each rank's
+    planner class, by rank), or None when every rank plans with the same kind. Ours
+    exchange digests in a collective DCP's planners do not make; checked before any plan
+    is sent, so a mixed group fails on every rank instead of waiting for its timeout."""
+    first = kinds[0] if kinds else None
+    for rank, kind in enumerate(kinds):
+        if kind != first:
+            return (f"the ranks of one {what} plan with different planners: rank 0 with "
+                    f"{first}, rank {rank} with {kind}; every rank must pass the same kind "
+                    f"of planner (ct.save and ct.load default to ckptturbo's own)")
+    return None
+
+
 def ranks_by_digest(digests: Sequence[str]) -> dict[str, list[int]]:
     """Every distinct digest and its ranks, ascending, in order of first appearance."""
     out: dict[str, list[int]] = {}
