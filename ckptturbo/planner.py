@@ -30,12 +30,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    WriteItem,
-)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
 from .errors import CkptTurboError, PlanError
 from .plan.digests import (
@@ -45,6 +41,7 @@ from .plan.digests import (
     plan_digest,
     ranks_by_digest,
 )
+from .plan.local import local_load_plan, local_save_plan, materialise_meta
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -67,14 +64,19 @@ class TurboSavePlanner(DefaultSavePlanner):
         self.process_group = process_group
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
+        on a group, the digest exchange."""
+        plan = local_save_plan(self.state_dict, self.is_coordinator)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
         if self.process_group is None:
             return plan
         digest = save_digest(plan)
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group, type(self).__name__, "save")
+        return first_with(digest, self.process_group, (True, type(self).__name__), "save")
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's dedup, metadata and validation over the distinct plans only; a sender gets
@@ -115,8 +117,23 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         self.process_group = process_group
         self._local: LoadPlan | None = None
 
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, with plain tensors on the meta device materialised faster first."""
+        materialise_meta(state_dict, _materialised)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
+        """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state
+        dict missing keys of the checkpoint takes DCP's path, which tells an old
+        checkpoint's keys apart), then, on a group, the digest exchange."""
+        if self.metadata is None:
+            raise CkptTurboError("TurboLoadPlanner.create_local_plan before set_up_planner")
+        stored = self.metadata.state_dict_metadata
+        if self.flatten_state_dict and not stored.keys() <= self.state_dict.keys():
+            plan = super().create_local_plan()
+        else:
+            plan = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         self._local = plan
         if self.process_group is None:
             return plan
@@ -124,7 +141,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group, type(self).__name__, "load")
+        return first_with(digest, self.process_group, (True, type(self).__name__), "load")
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         if all(isinstance(p.planner_data, PlanDigest) for p in global_plan):
@@ -142,6 +159,13 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         return new_plan
 
 
+def _materialised(tensor: Any) -> Any:
+    """A meta tensor materialised as DCP's load planner does it (on the device DCP picks)."""
+    box = {"t": tensor}
+    _init_state_dict(box)
+    return box["t"]
+
+
 def save_digest(plan: SavePlan) -> str:
     """The digest of a local save plan: its items and DCP's flattening mappings."""
     return plan_digest([_write_line(i) for i in plan.items], plan.planner_data)
@@ -149,30 +173,29 @@ def save_digest(plan: SavePlan) -> str:
 
 def _write_line(item: WriteItem) -> str:
     """Everything of a write item that planning and metadata use, as one line (an
-    f-string costs a third of pickling the item)."""
-    offset = item.index.offset
-    head = f"{item.index.fqn}|{item.type.value}|{tuple(offset) if offset is not None else ''}"
+    f-string costs a third of pickling the item; sizes and offsets as torch formats them)."""
     td = item.tensor_data
     if td is None:
-        return head
+        return f"{item.index.fqn}|{item.type.value}|{item.index.offset}"
     c, p = td.chunk, td.properties
-    return (f"{head}|{tuple(c.offsets)}|{tuple(c.sizes)}|{tuple(td.size)}|{p.dtype}|{p.layout}|"
-            f"{p.requires_grad}|{p.memory_format}|{p.pin_memory}")
+    return (f"{item.index.fqn}|{item.type.value}|{item.index.offset}|{c.offsets}|{c.sizes}|"
+            f"{td.size}|{p.dtype}|{p.layout}|{p.requires_grad}|{p.memory_format}|"
+            f"{p.pin_memory}")
 
 
 def _read_line(item: ReadItem) -> str:
     """Everything of a read item, as one line."""
     d, s = item.dest_index, item.storage_index
-    return (f"{item.type.value}|{d.fqn}|{tuple(d.offset or ())}|{tuple(item.dest_offsets)}|"
-            f"{s.fqn}|{tuple(s.offset or ())}|{tuple(item.storage_offsets)}|"
-            f"{tuple(item.lengths)}")
+    return (f"{item.type.value}|{d.fqn}|{d.offset}|{item.dest_offsets}|{s.fqn}|{s.offset}|"
+            f"{item.storage_offsets}|{item.lengths}")
 
 
-def first_with(digest: str, group: Any, kind: str, what: str) -> bool:
+def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bool:
     """Whether this rank is the first in ``group`` with ``digest``: the group's rank 0
-    gathers every rank's planner ``kind`` and digest and broadcasts the first rank of each
-    digest (the planners' one collective; each rank receives the list of first ranks, not
-    the digests), or, where the kinds differ, why: then every rank raises ``PlanError``."""
+    gathers every rank's planner ``kind`` (one of ours or not, and its class) and digest
+    and broadcasts the first rank of each digest (the planners' one collective; each rank
+    receives the list of first ranks, not the digests), or, where ours and others mix, why:
+    then every rank raises ``PlanError``."""
     world = dist.get_world_size(group)
     if world == 1:
         return True
@@ -188,7 +211,7 @@ def first_with(digest: str, group: Any, kind: str, what: str) -> bool:
     return at < len(firsts) and firsts[at] == me
 
 
-def _agree(gathered: list[tuple[str, str]], what: str) -> list[int] | str:
+def _agree(gathered: list[tuple[tuple[bool, str], str]], what: str) -> list[int] | str:
     """On the group's rank 0: the sorted first rank of each digest, or the kinds' conflict."""
     conflict = kind_conflict([kind for kind, _ in gathered], what)
     if conflict is not None:
@@ -200,7 +223,8 @@ class KindChecked:
     """A caller's save or load planner of another kind than ours, on a group of
     ``ct.save``/``ct.load``: it takes part in the planners' exchange with its kind and no
     digest before it plans, so a group where some ranks plan with ours fails on every rank
-    with ``PlanError`` instead of hanging. Everything else is the caller's planner's."""
+    with ``PlanError`` instead of hanging (ranks with different planners of DCP's kind plan
+    together, as in ``dcp.save``). Everything else is the caller's planner's."""
 
     def __init__(self, planner: Any, group: Any, what: str) -> None:
         self._planner = planner
@@ -211,7 +235,7 @@ class KindChecked:
         return getattr(self._planner, name)
 
     def create_local_plan(self) -> Any:
-        first_with("", self._group, type(self._planner).__name__, self._what)
+        first_with("", self._group, (False, type(self._planner).__name__), self._what)
         return self._planner.create_local_plan()
 
 

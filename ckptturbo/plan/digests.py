@@ -53,17 +53,19 @@ def first_ranks(digests: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def kind_conflict(kinds: Sequence[str], what: str) -> str | None:
-    """Why the ranks of one save or load cannot plan together (``kinds``: each rank's
-    planner class, by rank), or None when every rank plans with the same kind. Ours
-    exchange digests in a collective DCP's planners do not make; checked before any plan
-    is sent, so a mixed group fails on every rank instead of waiting for its timeout."""
-    first = kinds[0] if kinds else None
-    for rank, kind in enumerate(kinds):
-        if kind != first:
-            return (f"the ranks of one {what} plan with different planners: rank 0 with "
-                    f"{first}, rank {rank} with {kind}; every rank must pass the same kind "
-                    f"of planner (ct.save and ct.load default to ckptturbo's own)")
+def kind_conflict(kinds: Sequence[tuple[bool, str]], what: str) -> str | None:
+    """Why the ranks of one save or load cannot plan together, or None. ``kinds``: per
+    rank, whether its planner is one of ours (they exchange digests in a collective DCP's
+    planners do not make) and its class name. Ours and others cannot mix; any of ours
+    (subclasses too) can, as can any of DCP's kind. Checked before any plan is sent, so a
+    mixed group fails on every rank instead of waiting for its timeout."""
+    ours, name = kinds[0]
+    for rank, (theirs, other) in enumerate(kinds):
+        if theirs != ours:
+            return (f"the ranks of one {what} plan with incompatible planners: rank 0 with "
+                    f"{name}, rank {rank} with {other}; every rank must pass one of "
+                    f"ckptturbo's planners (ct.save's and ct.load's default) or every rank "
+                    f"one of another kind")
     return None
 
 
