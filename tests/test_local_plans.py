@@ -40,23 +40,34 @@ def _indices(items: list) -> list:
     return out
 
 
-def _save_plans(state: dict) -> tuple:
-    theirs, ours = DefaultSavePlanner(), ct.TurboSavePlanner()
+def _same_set_up(theirs, ours) -> None:
+    """The planners' flattened state dicts and mappings are equal (keys in order)."""
+    assert list(ours.state_dict) == list(theirs.state_dict)
+    assert [type(v) for v in ours.state_dict.values()] == \
+           [type(v) for v in theirs.state_dict.values()]
+    assert ours.mappings == theirs.mappings
+
+
+def _save_plans(state: dict, **options) -> tuple:
+    theirs, ours = DefaultSavePlanner(**options), ct.TurboSavePlanner(**options)
     plans = []
     for planner in (theirs, ours):
         planner.set_up_planner(state, is_coordinator=False)
         plans.append(planner.create_local_plan())
+    _same_set_up(theirs, ours)
     return theirs, plans
 
 
 def _load_plans(state_of, metadata: Metadata, **options) -> tuple:
-    plans, dicts = [], []
+    plans, dicts, planners = [], [], []
     for cls in (DefaultLoadPlanner, ct.TurboLoadPlanner):
         planner = cls(**options)
         sd = state_of()
         planner.set_up_planner(sd, metadata, False)
         plans.append(planner.create_local_plan())
         dicts.append(sd)
+        planners.append(planner)
+    _same_set_up(*planners)
     return plans, dicts
 
 
@@ -71,6 +82,21 @@ def test_save_and_load_plans_equal_dcps_item_for_item():
     (theirs, ours), _ = _load_plans(lambda: {**_state(), "extra": torch.ones(2)}, metadata,
                                     allow_partial_load=True)
     assert ours.items == theirs.items
+
+
+def test_lists_tuples_and_unflattened_states_plan_as_with_dcp():
+    """A list or tuple anywhere: DCP's own set-up (lists of tensors are flattened by
+    index); without flattening the state dict is used as it is."""
+    for extra in ({"lst": [torch.ones(2), 3]}, {"tup": (torch.ones(2), 1)}, {}):
+        for options in ({}, {"flatten_state_dict": False, "flatten_sharded_tensors": False}):
+            state = {**_state(), **extra}
+            if options:  # DCP's writer needs flat keys: the values of the top level only
+                state = {k: v for k, v in state.items() if k != "nested"}
+            dcp_planner, (theirs, ours) = _save_plans(state, **options)
+            assert ours.items == theirs.items and _indices(ours.items) == _indices(theirs.items)
+            metadata = dcp_planner.create_global_plan([theirs])[1]
+            (theirs, ours), _ = _load_plans(lambda s=state: {**s}, metadata, **options)
+            assert ours.items == theirs.items, (extra, options)
 
 
 def test_a_chunked_or_resized_checkpoint_goes_to_dcps_resharding():

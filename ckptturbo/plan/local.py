@@ -6,14 +6,17 @@ default planners build every item through helpers that handle every kind of tens
 into a state dict on the meta device materialises each tensor through ``empty_like``'s
 Python reference (about 100 us). A plain tensor, saved whole and loaded whole, needs none
 of that: these functions build its items directly, and hand every other value to DCP's own
-functions, item by item. The plans are equal to DCP's, item for item (the tests compare
-them). No I/O, no collectives.
+functions, item by item; and a state dict of nested dicts is flattened (and on a load
+materialised) in one walk instead of DCP's three. The plans are equal to DCP's, item for
+item (the tests compare them). No I/O, no collectives.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
     create_default_local_save_plan,
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.tensor import DTensor
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types; subclasses go to DCP
 _META = torch.device("meta")
@@ -96,22 +100,58 @@ def _whole_read(fqn: str, md: Any, obj: Any) -> ReadItem | None:
                     storage_offsets=zeros, lengths=torch.Size(size))
 
 
-def materialise_meta(state_dict: dict[str, Any], like: Any) -> None:
-    """Give each plain contiguous tensor on the meta device in ``state_dict``'s dicts a
-    fresh tensor of its shape and dtype, as DCP's load planner does before it plans
-    (``_init_state_dict``, through ``empty_like``), on the device ``like(tensor)`` chooses
-    for the first one (DCP's own choice, asked once). Lists, DTensors and every other
-    value are left to DCP."""
-    device = None
-    stack = [state_dict]
-    while stack:
-        current = stack.pop()
-        for key, value in current.items():
-            if isinstance(value, dict):
-                stack.append(value)
-            elif type(value) in _PLAIN and value.device == _META and value.is_contiguous():
-                if device is None:
-                    current[key] = made = like(value)
-                    device = made.device
-                else:
-                    current[key] = torch.empty(value.size(), dtype=value.dtype, device=device)
+class _NotPlain(Exception):
+    """A value ``plain_state`` leaves to DCP's own set-up."""
+
+
+def plain_state(state_dict: dict[str, Any], flatten: bool,
+                like: Callable[[torch.Tensor], torch.Tensor] | None
+                ) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
+    """DCP's set-up of a state dict in one walk: ``(flat, mappings)`` as DCP's
+    ``flatten_state_dict`` makes them (``flatten``; else the state dict itself and no
+    mappings), for nested dicts whose values are tensors of plain types or DTensors, or
+    neither lists, tuples nor tensors; None for anything else (DCP's own path then).
+
+    ``like``: a load, where DCP's planner first materialises each tensor on the meta
+    device (``_init_state_dict``): here a plain contiguous one gets ``torch.empty`` on the
+    device ``like`` picked for the first (DCP's choice, asked once), any other ``like``'s
+    own. Tensors already materialised when None is returned stay so (DCP skips them)."""
+    if _version._derived_version is not None:  # DCP's pre-2.4 key format: its own path
+        return None
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str, ...]] = {}
+    device: list[torch.device] = []
+
+    def fresh(value: torch.Tensor) -> torch.Tensor:
+        if like is None or value.device != _META:
+            return value
+        if device and type(value) in _PLAIN and value.is_contiguous():
+            return torch.empty(value.size(), dtype=value.dtype, device=device[0])
+        made = like(value)
+        device[:1] = [made.device]
+        return made
+
+    def walk(container: dict[str, Any], path: tuple[str, ...]) -> None:
+        for key, value in container.items():
+            here = (*path, str(key))
+            if type(value) is dict:
+                walk(value, here)
+                continue
+            if isinstance(value, (Mapping, list, tuple)):
+                raise _NotPlain
+            if isinstance(value, torch.Tensor):
+                if type(value) not in _PLAIN and not isinstance(value, DTensor):
+                    raise _NotPlain  # ShardedTensor, other subclasses
+                value = container[key] = fresh(value)
+            if flatten:
+                fqn = ".".join(here)
+                if fqn in flat:
+                    raise _NotPlain  # DCP names the duplicate
+                flat[fqn] = value
+                mappings[fqn] = here
+
+    try:
+        walk(state_dict, ())
+    except _NotPlain:
+        return None
+    return (flat, mappings) if flatten else (state_dict, {})
