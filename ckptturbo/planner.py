@@ -41,7 +41,7 @@ from .plan.digests import (
     plan_digest,
     ranks_by_digest,
 )
-from .plan.local import local_load_plan, local_save_plan, plain_state
+from .plan.local import local_load_plan, local_save_plan, materialise_meta
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -62,17 +62,6 @@ class TurboSavePlanner(DefaultSavePlanner):
                          flatten_sharded_tensors=flatten_sharded_tensors,
                          dedup_save_to_lowest_rank=dedup_save_to_lowest_rank)
         self.process_group = process_group
-
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        """DCP's: the state dict flattened in one walk where ``plan.local.plain_state``
-        can (DCP's own set-up otherwise)."""
-        done = plain_state(state_dict, True, None) if self.flatten_state_dict else None
-        if done is None:
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            return
-        self.state_dict, self.mappings = done
-        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
@@ -130,20 +119,9 @@ class TurboLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
-        """DCP's: meta tensors materialised, the state dict flattened, in one walk where
-        ``plan.local.plain_state`` can (DCP's own set-up otherwise)."""
-        done = None
-        if self.flatten_state_dict or not self.flatten_sharded_tensors:
-            done = plain_state(state_dict, self.flatten_state_dict, _materialised)
-        if done is None:
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-            return
-        self.original_state_dict = state_dict
-        self.state_dict, mappings = done
-        if self.flatten_state_dict:
-            self.mappings = mappings
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
+        """DCP's, with tensors on the meta device materialised faster first."""
+        materialise_meta(state_dict, _materialised)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state

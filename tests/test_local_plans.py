@@ -4,8 +4,10 @@ tensors and DCP's own functions for the rest; meta tensors are materialised as D
 from __future__ import annotations
 
 import io
+import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -14,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ckptturbo as ct
 from ckptturbo.testing.launcher import run_distributed
@@ -120,9 +122,23 @@ def test_a_chunked_or_resized_checkpoint_goes_to_dcps_resharding():
     assert len(errors) == 2 and errors[0] == errors[1]
 
 
+def _dtensors(mesh, placements, device: str = "cpu") -> dict:
+    """DTensors of several shapes (uneven and empty shards too), on ``device``."""
+    out = {}
+    for name, shape in (("a", (8, 6)), ("b", (8, 6)), ("c", (5, 3)), ("d", (1,)), ("e", (9,))):
+        full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        d = distribute_tensor(full, mesh, placements)
+        if device == "meta":
+            d = DTensor.from_local(torch.empty_like(d.to_local(), device="meta"), mesh,
+                                   placements, shape=d.size(), stride=d.stride())
+        out[name] = d
+    return out
+
+
 def _meta_load(rank: int, world: int) -> list:
     """Meta tensors materialised as DCP's planner does (device, dtype, shape, strides),
-    and DTensors' plans equal to DCP's."""
+    and DTensors' save and load plans equal to DCP's: saved and loaded on the same
+    sharding, resharded, and from meta DTensors."""
     dcp_planner, (theirs, _) = _save_plans(_state())
     metadata = dcp_planner.create_global_plan([theirs])[1]
     (theirs, ours), (a, b) = _load_plans(lambda: _state("meta"), metadata)
@@ -132,13 +148,26 @@ def _meta_load(rank: int, world: int) -> list:
         assert (type(x), x.device, x.dtype, x.shape, x.stride()) == \
                (type(y), y.device, y.dtype, y.shape, y.stride()), key
     assert b["nested"]["half"].device == a["nested"]["half"].device != torch.device("meta")
-    mesh = init_device_mesh("cpu", (world,))
-    sharded = {"d": distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])}
-    dcp_planner, (theirs, ours) = _save_plans(sharded)
-    assert ours.items == theirs.items
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+    hsdp = [Replicate(), Shard(0)]
+    dcp_planner, (theirs, ours) = _save_plans(_dtensors(mesh, hsdp))
+    assert ours.items == theirs.items and _indices(ours.items) == _indices(theirs.items)
+    # the coordinator's metadata, as a save of every rank's plan makes it
+    everyone = [None] * world
+    dist.all_gather_object(everyone, theirs)
+    metadata = dcp_planner.create_global_plan(everyone)[1]
+    for placements, device in ((hsdp, "cpu"), ([Shard(0), Shard(0)], "cpu"),
+                               (hsdp, "meta")):
+        (theirs, ours), (a, b) = _load_plans(lambda p=placements, d=device:
+                                             _dtensors(mesh, p, d), metadata)
+        assert ours.items == theirs.items and _indices(ours.items) == _indices(theirs.items)
+        for key, x in a.items():
+            y = b[key]
+            assert (type(x), x.device, x.placements, x.shape, x.stride(), x.to_local().shape) \
+                == (type(y), y.device, y.placements, y.shape, y.stride(), y.to_local().shape)
     return _indices(ours.items)
 
 
 def test_meta_tensors_and_dtensors_plan_as_with_dcp():
-    out = run_distributed(_meta_load, 2, timeout=120)
+    out = run_distributed(_meta_load, 4, timeout=120)
     assert out[0] != out[1]  # each rank its own shard

@@ -60,9 +60,14 @@ def test_ct_load_plans_with_ours_checkpoint_of_dcps_planner(tmp_path):
     run_distributed(_ct_load, 2, url, False, timeout=240)
 
 
+class _OwnSavePlanner(DefaultSavePlanner):
+    """A caller's planner of DCP's kind."""
+
+
 def _mixed_kinds(rank: int, world: int, root: str) -> list[str]:
     """Ranks 0 and 1 save and load with the default planners (ours), the others pass
-    DCP's: each rank's save and load must fail with PlanError, not hang."""
+    DCP's: each rank's save and load must fail with PlanError, not hang. Planners of
+    DCP's kind that differ (DCP's and a caller's) plan together."""
     sd = {"w": torch.ones(8, 8), "step": 3}
     errors = []
     theirs = rank >= world // 2
@@ -72,6 +77,8 @@ def _mixed_kinds(rank: int, world: int, root: str) -> list[str]:
     except ct.PlanError as exc:
         errors.append(str(exc))
     ct.save(sd, f"{root}/ok").durable.result(timeout=60)
+    ct.save(sd, f"{root}/dcp-kind", planner=_OwnSavePlanner() if theirs else
+            DefaultSavePlanner()).durable.result(timeout=60)
     try:
         ct.load(sd, f"{root}/ok", planner=DefaultLoadPlanner() if theirs else None)
     except ct.PlanError as exc:
