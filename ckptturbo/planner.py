@@ -232,6 +232,8 @@ class KindChecked:
         self._what = what
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_planner":  # not set yet (a copy or unpickling): no forwarding loop
+            raise AttributeError(name)
         return getattr(self._planner, name)
 
     def create_local_plan(self) -> Any:
