@@ -178,7 +178,7 @@ def test_planners_and_writers_mix_and_make_the_same_checkpoint(tmp_path):
     assert sum(s.bytes_written + s.bytes_reused for s in stats) == unique
     # The same items, boxes and whole chunks; only the replicated object ("step") is
     # written by the first rank of its plan group (DCP's dedup spreads objects over all
-    # ranks), so the chunk that packs small pieces differs (docs/format.md).
+    # ranks), so the chunk that packs small pieces differs (docs/usage.md, "Planners").
     ours, theirs = _items(f"{root}/ours"), _items(f"{root}/dcp")
     assert ours.keys() == theirs.keys()
     assert ours["w"] == theirs["w"]
