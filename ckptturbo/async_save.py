@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from . import delta_save
 from .errors import CkptTurboError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
-from .planner import on_group
+from .planner import TurboSavePlanner, on_group
 from .results import SaveSummary
 from .runtime import Runtime, single_process
 from .staging import SaveHandle
@@ -66,7 +66,7 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
                              "process (collective=False, or a group of one); save the full "
                              "state from one rank")
     group = session.gloo_group(process_group, "save") if grouped else None
-    planner = on_group(planner, group)
+    planner = on_group(planner if planner is not None else TurboSavePlanner(), group, "save")
     started = time.monotonic()
 
     def staged() -> None:

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import catalog, changes, tiered_catalog
 from .async_save import run_save
 from .errors import CkptTurboError, MismatchError
 from .failures import ckptturbo_errors
-from .planner import on_group
+from .planner import TurboLoadPlanner, on_group
 from .reader import TurboReader
 from .recovery import recover
 from .results import SaveSummary
@@ -110,8 +109,9 @@ def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
             dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                     planner=on_group(planner, _load_group(process_group))
-                     if planner is not None else DefaultLoadPlanner(allow_partial_load=not strict),
+                     planner=on_group(planner if planner is not None else
+                                      TurboLoadPlanner(allow_partial_load=not strict),
+                                      _load_group(process_group), "load"),
                      no_dist=not dist.is_initialized())
 
     if tiers is None:
@@ -152,7 +152,9 @@ def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, An
                 flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
             else:
                 flat[key] = None
-        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner = on_group(TurboLoadPlanner(flatten_state_dict=False,
+                                            flatten_sharded_tensors=False),
+                           _load_group(group) if use_group else None, "load")
         with ckptturbo_errors("loading", reader.url), single_process(not use_group):
             dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
                      no_dist=not use_group)

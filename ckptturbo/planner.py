@@ -14,8 +14,11 @@ each distinct plan's first rank sent.
 DCP planners: ``dcp.save``/``dcp.load`` take them with any storage writer or reader
 (another writer gets every item of a group on its first rank, written once; a load
 planner puts each rank's items back in ``finish_plan``). Without a ``process_group`` they
-plan exactly as DCP's defaults (no collective of their own): ``ct.save``/``ct.load`` bind
-their group to them.
+plan exactly as DCP's defaults (no collective of their own): ``ct.save``/``ct.load`` plan
+with them by default and bind their group to them (``on_group``). The exchange carries
+each rank's planner kind: a caller's planner of another kind joins it there
+(``KindChecked``), so ranks that mix kinds all raise ``PlanError`` before any plan is
+sent instead of waiting for the group's timeout in mismatched collectives.
 """
 from __future__ import annotations
 
@@ -28,9 +31,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
-from .errors import CkptTurboError
-from .plan.digests import PlanDigest, first_ranks, plan_digest, ranks_by_digest
+from .errors import CkptTurboError, PlanError
+from .plan.digests import (
+    PlanDigest,
+    first_ranks,
+    kind_conflict,
+    plan_digest,
+    ranks_by_digest,
+)
+from .plan.local import local_load_plan, local_save_plan, materialise_meta
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -53,14 +64,19 @@ class TurboSavePlanner(DefaultSavePlanner):
         self.process_group = process_group
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
+        on a group, the digest exchange."""
+        plan = local_save_plan(self.state_dict, self.is_coordinator)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
         if self.process_group is None:
             return plan
         digest = save_digest(plan)
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group)
+        return first_with(digest, self.process_group, (True, type(self).__name__), "save")
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's dedup, metadata and validation over the distinct plans only; a sender gets
@@ -101,8 +117,23 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         self.process_group = process_group
         self._local: LoadPlan | None = None
 
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, with tensors on the meta device materialised faster first."""
+        materialise_meta(state_dict, _materialised)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
+        """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state
+        dict missing keys of the checkpoint takes DCP's path, which tells an old
+        checkpoint's keys apart), then, on a group, the digest exchange."""
+        if self.metadata is None:
+            raise CkptTurboError("TurboLoadPlanner.create_local_plan before set_up_planner")
+        stored = self.metadata.state_dict_metadata
+        if self.flatten_state_dict and not stored.keys() <= self.state_dict.keys():
+            plan = super().create_local_plan()
+        else:
+            plan = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         self._local = plan
         if self.process_group is None:
             return plan
@@ -110,7 +141,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
-        return first_with(digest, self.process_group)
+        return first_with(digest, self.process_group, (True, type(self).__name__), "load")
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         if all(isinstance(p.planner_data, PlanDigest) for p in global_plan):
@@ -128,6 +159,13 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         return new_plan
 
 
+def _materialised(tensor: Any) -> Any:
+    """A meta tensor materialised as DCP's load planner does it (on the device DCP picks)."""
+    box = {"t": tensor}
+    _init_state_dict(box)
+    return box["t"]
+
+
 def save_digest(plan: SavePlan) -> str:
     """The digest of a local save plan: its items and DCP's flattening mappings."""
     return plan_digest([_write_line(i) for i in plan.items], plan.planner_data)
@@ -135,40 +173,72 @@ def save_digest(plan: SavePlan) -> str:
 
 def _write_line(item: WriteItem) -> str:
     """Everything of a write item that planning and metadata use, as one line (an
-    f-string costs a third of pickling the item)."""
-    offset = item.index.offset
-    head = f"{item.index.fqn}|{item.type.value}|{tuple(offset) if offset is not None else ''}"
+    f-string costs a third of pickling the item; sizes and offsets as torch formats them)."""
     td = item.tensor_data
     if td is None:
-        return head
+        return f"{item.index.fqn}|{item.type.value}|{item.index.offset}"
     c, p = td.chunk, td.properties
-    return (f"{head}|{tuple(c.offsets)}|{tuple(c.sizes)}|{tuple(td.size)}|{p.dtype}|{p.layout}|"
-            f"{p.requires_grad}|{p.memory_format}|{p.pin_memory}")
+    return (f"{item.index.fqn}|{item.type.value}|{item.index.offset}|{c.offsets}|{c.sizes}|"
+            f"{td.size}|{p.dtype}|{p.layout}|{p.requires_grad}|{p.memory_format}|"
+            f"{p.pin_memory}")
 
 
 def _read_line(item: ReadItem) -> str:
     """Everything of a read item, as one line."""
     d, s = item.dest_index, item.storage_index
-    return (f"{item.type.value}|{d.fqn}|{tuple(d.offset or ())}|{tuple(item.dest_offsets)}|"
-            f"{s.fqn}|{tuple(s.offset or ())}|{tuple(item.storage_offsets)}|"
-            f"{tuple(item.lengths)}")
+    return (f"{item.type.value}|{d.fqn}|{d.offset}|{item.dest_offsets}|{s.fqn}|{s.offset}|"
+            f"{item.storage_offsets}|{item.lengths}")
 
 
-def first_with(digest: str, group: Any) -> bool:
+def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bool:
     """Whether this rank is the first in ``group`` with ``digest``: the group's rank 0
-    gathers every digest and broadcasts the first rank of each (the planners' one
-    collective; each rank receives the list of first ranks, not the digests)."""
+    gathers every rank's planner ``kind`` (one of ours or not, and its class) and digest
+    and broadcasts the first rank of each digest (the planners' one collective; each rank
+    receives the list of first ranks, not the digests), or, where ours and others mix, why:
+    then every rank raises ``PlanError``."""
     world = dist.get_world_size(group)
     if world == 1:
         return True
     me = dist.get_rank(group)
     gathered: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object(digest, gathered, group=group, group_dst=0)
-    box: list[Any] = [sorted(first_ranks(gathered).values()) if gathered else None]
+    dist.gather_object((kind, digest), gathered, group=group, group_dst=0)
+    box: list[Any] = [_agree(gathered, what) if gathered else None]
     dist.broadcast_object_list(box, group=group, group_src=0)
     firsts = box[0]
+    if isinstance(firsts, str):
+        raise PlanError(f"rank {me}: {firsts}")
     at = bisect.bisect_left(firsts, me)
     return at < len(firsts) and firsts[at] == me
+
+
+def _agree(gathered: list[tuple[tuple[bool, str], str]], what: str) -> list[int] | str:
+    """On the group's rank 0: the sorted first rank of each digest, or the kinds' conflict."""
+    conflict = kind_conflict([kind for kind, _ in gathered], what)
+    if conflict is not None:
+        return conflict
+    return sorted(first_ranks([digest for _, digest in gathered]).values())
+
+
+class KindChecked:
+    """A caller's save or load planner of another kind than ours, on a group of
+    ``ct.save``/``ct.load``: it takes part in the planners' exchange with its kind and no
+    digest before it plans, so a group where some ranks plan with ours fails on every rank
+    with ``PlanError`` instead of hanging (ranks with different planners of DCP's kind plan
+    together, as in ``dcp.save``). Everything else is the caller's planner's."""
+
+    def __init__(self, planner: Any, group: Any, what: str) -> None:
+        self._planner = planner
+        self._group = group
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_planner":  # not set yet (a copy or unpickling): no forwarding loop
+            raise AttributeError(name)
+        return getattr(self._planner, name)
+
+    def create_local_plan(self) -> Any:
+        first_with("", self._group, (False, type(self._planner).__name__), self._what)
+        return self._planner.create_local_plan()
 
 
 def _groups(plans: list[Any], who: str) -> dict[str, list[int]]:
@@ -189,15 +259,17 @@ def grouped_plan(plan: Any, digest: str, sender: bool) -> Any:
     return dataclasses.replace(plan, items=plan.items if sender else [], planner_data=data)
 
 
-def on_group(planner: Any, group: Any) -> Any:
-    """The planner a ``ct.save`` or ``ct.load`` on ``group`` runs: the caller's, with a planner
-    of ckptturbo's that has no group bound to ``group`` (a copy: the caller's stays as it
-    is); None (DCP's default planner) stays None. Without a group (one process alone) every
-    planner runs as given."""
-    if planner is None:
-        return None
-    ours = isinstance(planner, (TurboSavePlanner, TurboLoadPlanner))
-    if group is not None and ours and planner.process_group is None:
-        planner = copy.copy(planner)
-        planner.process_group = group
-    return planner
+def on_group(planner: Any, group: Any, what: str) -> Any:
+    """The planner a ``ct.save`` or ``ct.load`` on ``group`` runs, given the caller's or
+    the default (one of ours): a planner of ours without a group is bound to ``group`` (a
+    copy: the caller's stays as it is); any other planner joins the kind check
+    (``KindChecked``; ``what``: "save" or "load", for its error). Without a group (one
+    process alone) every planner runs as given."""
+    if group is None:
+        return planner
+    if isinstance(planner, (TurboSavePlanner, TurboLoadPlanner)):
+        if planner.process_group is None:
+            planner = copy.copy(planner)
+            planner.process_group = group
+        return planner
+    return KindChecked(planner, group, what)

@@ -19,7 +19,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptturbo as ct
 from ckptturbo.adapter_support import (
@@ -59,9 +58,10 @@ def tiered_store(store: str | None, tiers: ct.Tiers | None) -> str:
     return store or ("run" if tiers is not None else "checkpoint")
 
 
-def _flat_planner() -> DefaultSavePlanner:
+def _flat_planner() -> ct.TurboSavePlanner:
     # The tree is flattened already (with its skeleton); DCP must not flatten it again.
-    return DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    # ckptturbo's own planner, as ct.save's default (ct.save binds its group to it).
+    return ct.TurboSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 def _session(session: ct.Session | None) -> ct.Session:

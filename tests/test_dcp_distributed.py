@@ -251,8 +251,9 @@ def test_corrupted_chunk_makes_every_rank_raise(tmp_path):
                for o in outcomes), outcomes
 
 
-class _DiesOnFirstTensor(torch.distributed.checkpoint.DefaultLoadPlanner):
-    """A planner whose rank crashes mid-load (a real process exit, not a simulation)."""
+class _DiesOnFirstTensor(ct.TurboLoadPlanner):
+    """A planner whose rank crashes mid-load (a real process exit, not a simulation); of
+    ckptturbo's kind, as the other ranks' default (kinds that do not mix fail before)."""
 
     def commit_tensor(self, read_item, tensor):
         import os
@@ -304,8 +305,9 @@ def test_grouped_load_from_s3_reads_each_chunk_once(s3_server):
     assert sum(fetched) == unique, (fetched, unique)
 
 
-class _DiesWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
-    """A planner whose rank exits in the middle of a save (a real process exit)."""
+class _DiesWhilePlanning(ct.TurboSavePlanner):
+    """A planner whose rank exits in the middle of a save (a real process exit); of the
+    other ranks' (default) kind."""
 
     def create_local_plan(self):
         import os
@@ -345,8 +347,9 @@ def test_rank_dying_during_a_save_fails_the_others_and_commits_nothing(tmp_path)
     run_distributed(load_rank, 2, first, timeout=240)  # and step-1 loads as it was
 
 
-class _StallsWhilePlanning(torch.distributed.checkpoint.DefaultSavePlanner):
-    """A planner whose rank stays alive but silent for longer than the collective timeout."""
+class _StallsWhilePlanning(ct.TurboSavePlanner):
+    """A planner whose rank stays alive but silent for longer than the collective timeout;
+    of the other ranks' (default) kind."""
 
     def create_local_plan(self):
         import time
@@ -373,6 +376,6 @@ def test_stalled_rank_fails_a_save_within_the_collective_timeout(tmp_path):
     run = tmp_path / "run"
     outcomes = run_distributed(_save_with_stall, 3, str(run / "step-1"), timeout=120,
                                expect_failures=True)
-    for rank in (0, 2):  # they waited for rank 1 in DCP's plan gather: 3 s, not 30 min
+    for rank in (0, 2):  # they waited for rank 1 in the planners' exchange: 3 s, not 30 min
         assert outcomes[rank][0] == "CommunicationError" and outcomes[rank][1] < 13, outcomes
     assert list_checkpoints(str(run)) == []

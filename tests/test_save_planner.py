@@ -26,12 +26,12 @@ from ckptturbo.testing.launcher import run_distributed
 
 
 def _ct_save(rank: int, world: int, url: str) -> None:
-    ct.save(build_state(world, zeros=False), url, chunk_size=CHUNK, pack_threshold=64 << 10,
-            planner=ct.TurboSavePlanner()).durable.result(timeout=120)
+    ct.save(build_state(world, zeros=False), url, chunk_size=CHUNK,
+            pack_threshold=64 << 10).durable.result(timeout=120)
 
 
 def test_ct_save_plans_with_ours_and_loads_resharded_with_dcps(tmp_path):
-    """ct.save with TurboSavePlanner (ct.save binds its group to it); dcp.load with DCP's
+    """ct.save with its default, TurboSavePlanner (bound to its group); dcp.load with DCP's
     default load planner reads the checkpoint bit-exact at 3, 2 and 1 ranks (FSDP2, HSDP,
     DDP items)."""
     url = str(tmp_path / "run" / "step-1")
@@ -44,9 +44,10 @@ def test_ct_save_plans_with_ours_and_loads_resharded_with_dcps(tmp_path):
 
 
 def _ct_load(rank: int, world: int, url: str, broadcast: bool) -> None:
-    """ct.load with ckptturbo's own load planner (ct.load binds its group), bit-exact."""
+    """ct.load with ckptturbo's own load planner (its default; given without a group on
+    rank 0, which ct.load binds), bit-exact."""
     sd = build_state(world, zeros=True)
-    ct.load(sd, url, broadcast=broadcast, planner=ct.TurboLoadPlanner())
+    ct.load(sd, url, broadcast=broadcast, planner=ct.TurboLoadPlanner() if rank == 0 else None)
     check_state(sd)
 
 
@@ -57,6 +58,40 @@ def test_ct_load_plans_with_ours_checkpoint_of_dcps_planner(tmp_path):
     run_distributed(save_rank, 4, url, timeout=240)
     run_distributed(_ct_load, 3, url, True, timeout=240)
     run_distributed(_ct_load, 2, url, False, timeout=240)
+
+
+class _OwnSavePlanner(DefaultSavePlanner):
+    """A caller's planner of DCP's kind."""
+
+
+def _mixed_kinds(rank: int, world: int, root: str) -> list[str]:
+    """Ranks 0 and 1 save and load with the default planners (ours), the others pass
+    DCP's: each rank's save and load must fail with PlanError, not hang. Planners of
+    DCP's kind that differ (DCP's and a caller's) plan together."""
+    sd = {"w": torch.ones(8, 8), "step": 3}
+    errors = []
+    theirs = rank >= world // 2
+    try:
+        ct.save(sd, f"{root}/mixed", planner=DefaultSavePlanner() if theirs else None
+                ).durable.result(timeout=60)
+    except ct.PlanError as exc:
+        errors.append(str(exc))
+    ct.save(sd, f"{root}/ok").durable.result(timeout=60)
+    ct.save(sd, f"{root}/dcp-kind", planner=_OwnSavePlanner() if theirs else
+            DefaultSavePlanner()).durable.result(timeout=60)
+    try:
+        ct.load(sd, f"{root}/ok", planner=DefaultLoadPlanner() if theirs else None)
+    except ct.PlanError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_ranks_that_mix_planner_kinds_fail_fast_on_every_rank(tmp_path):
+    out = run_distributed(_mixed_kinds, 4, str(tmp_path / "run"), timeout=120)
+    for errors in out:
+        assert len(errors) == 2, errors
+        assert "TurboSavePlanner" in errors[0] and "DefaultSavePlanner" in errors[0]
+        assert "TurboLoadPlanner" in errors[1] and "DefaultLoadPlanner" in errors[1]
 
 
 def _replicated(world: int) -> dict:
@@ -143,7 +178,7 @@ def test_planners_and_writers_mix_and_make_the_same_checkpoint(tmp_path):
     assert sum(s.bytes_written + s.bytes_reused for s in stats) == unique
     # The same items, boxes and whole chunks; only the replicated object ("step") is
     # written by the first rank of its plan group (DCP's dedup spreads objects over all
-    # ranks), so the chunk that packs small pieces differs (docs/format.md).
+    # ranks), so the chunk that packs small pieces differs (docs/usage.md, "Planners").
     ours, theirs = _items(f"{root}/ours"), _items(f"{root}/dcp")
     assert ours.keys() == theirs.keys()
     assert ours["w"] == theirs["w"]

@@ -53,6 +53,22 @@ def first_ranks(digests: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def kind_conflict(kinds: Sequence[tuple[bool, str]], what: str) -> str | None:
+    """Why the ranks of one save or load cannot plan together, or None. ``kinds``: per
+    rank, whether its planner is one of ours (they exchange digests in a collective DCP's
+    planners do not make) and its class name. Ours and others cannot mix; any of ours
+    (subclasses too) can, as can any of DCP's kind. Checked before any plan is sent, so a
+    mixed group fails on every rank instead of waiting for its timeout."""
+    ours, name = kinds[0]
+    for rank, (theirs, other) in enumerate(kinds):
+        if theirs != ours:
+            return (f"the ranks of one {what} plan with incompatible planners: rank 0 with "
+                    f"{name}, rank {rank} with {other}; every rank must pass one of "
+                    f"ckptturbo's planners (ct.save's and ct.load's default) or every rank "
+                    f"one of another kind")
+    return None
+
+
 def ranks_by_digest(digests: Sequence[str]) -> dict[str, list[int]]:
     """Every distinct digest and its ranks, ascending, in order of first appearance."""
     out: dict[str, list[int]] = {}
