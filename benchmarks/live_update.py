@@ -15,9 +15,11 @@ Engine A (``load_format="ckptturbo"``, backend ``ckptturbo``) updates with
 :func:`ckptturbo.integrations.vllm.update_weights`; the proxy counts what it reads. Engine B
 (``load_format="safetensors"``) is vLLM's own way on the same store: the version's
 safetensors downloaded with s3fs through the same proxy, then ``reload_weights(weights_path=
-..., is_checkpoint_format=True)`` (vLLM's object-store path, ``runai_streamer``, needs
-``runai-model-streamer-s3``, which is not installed here); its reload alone from a local
-copy in the page cache is reported too, as vLLM's best case. Reported per update: bytes
+..., is_checkpoint_format=True)``; its reload alone from a local copy in the page cache is
+reported too, as vLLM's best case. Engine C (``load_format="runai_streamer"``, an
+``s3://`` model) is vLLM's object-store path: ``reload_weights`` straight from the store
+through the same proxy (only when ``runai-model-streamer-s3`` is installed: extra
+``bench-runai``). Reported per update: bytes
 from storage against the bytes the save added (the changed chunks: target 1.00x) and
 against vLLM's full reload, seconds against vLLM's, and ckptturbo's reading alone
 (``ct.load_changes`` in this process) against the download. Checked: after each update
@@ -133,8 +135,8 @@ def engine_main(kind: str, model: str, extra: str) -> None:
     if kind == "ckptturbo":
         llm = LLM(model=model, load_format="ckptturbo", model_loader_extra_config=options,
                   weight_transfer_config={"backend": "ckptturbo"}, **common)
-    else:
-        llm = LLM(model=model, load_format="safetensors", **common)
+    else:  # "safetensors" (a local directory) or "runai_streamer" (an s3:// model)
+        llm = LLM(model=model, load_format=kind, **common)
     params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
 
     def tokens() -> list[list[int]]:
@@ -175,11 +177,13 @@ def _read_seconds(served_url: str, url: str, options: dict[str, Any]) -> float:
 class _Engine(Worker):
     """An engine process (see :func:`engine_main`), asked one command at a time."""
 
-    def __init__(self, kind: str, model: str, extra: dict[str, Any], scratch: str) -> None:
+    def __init__(self, kind: str, model: str, extra: dict[str, Any], scratch: str,
+                 env_extra: dict[str, str] | None = None) -> None:
         import subprocess
 
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (REPO, os.environ.get("PYTHONPATH")) if p), TMPDIR=scratch)
+            p for p in (REPO, os.environ.get("PYTHONPATH")) if p), TMPDIR=scratch,
+            **(env_extra or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.live_update", kind,
                                       model, json.dumps(extra)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -226,6 +230,20 @@ def _store_versions(be: Any, cfg: Any, run: str, work: str) -> dict[str, dict[st
     return stored
 
 
+def _runai_env(be: Any) -> dict[str, str] | None:
+    """The environment in which vLLM's ``runai_streamer`` reads the store through the
+    counting proxy; None when its S3 client is not installed (extra ``bench-runai``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("runai_model_streamer_s3") is None:
+        return None
+    options = be.storage_options
+    return {"AWS_ENDPOINT_URL": options["client_kwargs"]["endpoint_url"],
+            "AWS_ACCESS_KEY_ID": options["key"], "AWS_SECRET_ACCESS_KEY": options["secret"],
+            "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+
+
 def _download(be: Any, remote: str, local: str) -> float:
     """Seconds to copy ``remote`` into ``local`` through the counting proxy (s3fs)."""
     import s3fs
@@ -247,6 +265,9 @@ def _one_rep(be: Any, cfg: Any, run: str, work: str, config_dir: str) -> tuple[d
     ours = _Engine("ckptturbo", config_dir, {"url": f"{run}/base",
                                               "storage_options": be.storage_options}, scratch)
     theirs = _Engine("safetensors", stored["base"]["local"], {}, scratch)
+    runai_env = _runai_env(be)
+    runai = (None if runai_env is None else
+             _Engine("runai_streamer", stored["base"]["remote"], {}, scratch, runai_env))
     samples, agree, served = {}, ours.tokens == theirs.tokens, "base"
     try:
         for name in TARGETS:
@@ -259,9 +280,15 @@ def _one_rep(be: Any, cfg: Any, run: str, work: str, config_dir: str) -> tuple[d
             reload = theirs.ask(f"reload {downloaded}")
             peer_bytes = be.proxy.stats().bytes_down
             cached = theirs.ask(f"reload {stored[name]['local']}")
+            streamed: dict[str, Any] = {}
+            if runai is not None:  # vLLM's own object-store path: reload_weights from s3://
+                be.proxy.reset_stats()
+                streamed = runai.ask(f"reload {stored[name]['remote']}")
+                streamed["bytes"] = be.proxy.stats().bytes_down
             read_s = _read_seconds(f"{run}/{served}", f"{run}/{name}", be.storage_options)
             served = name
-            same = got["tokens"] == reload["tokens"] == cached["tokens"]
+            same = (got["tokens"] == reload["tokens"] == cached["tokens"]
+                    and streamed.get("tokens", got["tokens"]) == got["tokens"])
             agree &= same
             samples[name] = {
                 "bytes": fetched, "seconds": got["seconds"], "read_seconds": read_s,
@@ -269,6 +296,7 @@ def _one_rep(be: Any, cfg: Any, run: str, work: str, config_dir: str) -> tuple[d
                 "model_bytes": stored[name]["model_bytes"], "download_seconds": download_s,
                 "peer_seconds": download_s + reload["seconds"],
                 "cached_reload_seconds": cached["seconds"], "same_tokens": same,
+                "runai_seconds": streamed.get("seconds"), "runai_bytes": streamed.get("bytes"),
                 "tensors": {k: got[k] for k in ("full", "deltas", "unchanged")}}
             log.info("%s: ckptturbo %s in %.3f s (%s; reading alone %.3f s); vLLM download "
                      "%.3f s + reload %.3f s; reload from the page cache %.3f s", name,
@@ -277,6 +305,8 @@ def _one_rep(be: Any, cfg: Any, run: str, work: str, config_dir: str) -> tuple[d
     finally:
         ours.close()
         theirs.close()
+        if runai is not None:
+            runai.close()
     return samples, agree
 
 
@@ -305,10 +335,11 @@ def scenario(args: Any) -> Report:
     report.raw["samples"] = samples
     _compare(report, samples)
     report.check("updated engine generates what vLLM's reloaded engine does", agree)
-    report.note("peer: vLLM's reload_weights after an s3fs download of the same version's "
-                "safetensors through the same proxy (runai_streamer's S3 client is not "
-                "installed); 'page cache' rows: the reload alone from a local copy, its best "
-                "case. The bytes target allows 2% for the manifest")
+    report.note("peers: vLLM's reload_weights through runai_streamer from the same store "
+                "(when its S3 client, extra bench-runai, is installed), and after an s3fs "
+                "download of the same version's safetensors through the same proxy; 'page "
+                "cache' rows: the reload alone from a local copy, its best case. The bytes "
+                "target allows 2% for the manifest")
     return report
 
 
@@ -333,6 +364,13 @@ def _compare(report: Report, samples: dict[str, list[dict[str, Any]]]) -> None:
                             "decoded, no swap")
         report.compare(f"{name}: seconds / reload from page cache", best["seconds"],
                        best["cached_reload_seconds"], "s", peer_name="reload_weights (cache)")
+        if first.get("runai_seconds") is not None:
+            fastest = min(s["runai_seconds"] for s in samples[name])
+            report.compare(f"{name}: seconds / runai_streamer reload", best["seconds"], fastest,
+                           "s", peer_name="reload_weights via runai_streamer", target=vs_time)
+            report.compare(f"{name}: bytes read / runai_streamer reload", first["bytes"],
+                           first["runai_bytes"], "bytes",
+                           peer_name="reload_weights via runai_streamer")
 
 
 if __name__ == "__main__":
