@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import delta_codec
+from .chunks import batched
 from .errors import CheckpointKindError, CheckpointNotFound, MismatchError
 from .failures import ckptturbo_errors
 from .manifest import Manifest
@@ -150,20 +151,6 @@ def _wanted(manifest: Manifest, served: Mapping[str, str],
     return out
 
 
-def _batches(wanted: list[_Wanted], limit: int) -> Iterator[list[_Wanted]]:
-    """Consecutive tensors of at most ``limit`` bytes in flight (a larger one alone)."""
-    batch: list[_Wanted] = []
-    held = 0
-    for w in wanted:
-        if batch and held + w.nbytes > limit:
-            yield batch
-            batch, held = [], 0
-        batch.append(w)
-        held += w.nbytes
-    if batch:
-        yield batch
-
-
 def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names: Any = None,
                  process_group: Any = None, storage_options: dict[str, Any] | None = None,
                  memory_limit: int | None = None, cache_dir: str | None = None) -> Iterator[Change]:
@@ -179,7 +166,7 @@ def load_changes(runtime: Runtime, url: str, served: Mapping[str, str], *, names
         wanted = _wanted(manifest, served, wanted_names)
     log.info("%s: %d tensors differ from the served ones (%d as deltas)", url, len(wanted),
              sum(1 for w in wanted if w.spans))
-    for batch in _batches(wanted, limit):
+    for batch in batched(wanted, lambda w: w.nbytes, limit):
         with ckptturbo_errors("loading changes of", url):
             values = read_values(runtime, url, storage_options, manifest,
                                  {w.name: w.record for w in batch}, process_group, cache_dir)

@@ -12,12 +12,15 @@ fan-out) and how manifests name their bytes is the storage contract, in ``paths`
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import blake3
 
 from .errors import FormatError
+
+T = TypeVar("T")
 
 CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_CHUNK_SIZE = 64 << 20
@@ -98,3 +101,19 @@ def layout_chunks(ranges: Iterable[tuple[int, int, int]], chunk_size: int,
     if pack:
         out.append(ChunkLayout(tuple(pack)))
     return out
+
+
+def batched(items: Iterable[T], nbytes: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """``items`` in order, cut into consecutive batches of at most ``limit`` bytes (an item
+    larger than ``limit`` alone): the one way memory-bounded loops cut their work."""
+    batch: list[T] = []
+    held = 0
+    for item in items:
+        size = nbytes(item)
+        if batch and held + size > limit:
+            yield batch
+            batch, held = [], 0
+        batch.append(item)
+        held += size
+    if batch:
+        yield batch

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 
 from . import catalog, delta_codec
 from .changes import DEFAULT_MEMORY_LIMIT, read_manifest, read_values
+from .chunks import batched
 from .errors import ChunksUnavailable, CkptTurboError
 from .manifest_delta import DeltaBase, delta_room, versions_of
 from .manifest_records import ItemRecord
@@ -94,16 +95,9 @@ def prepare(runtime: Runtime, state_dict: dict[str, Any], base_url: str, chunk_s
     bases: dict[str, DeltaBase] = {}
     kept = runtime.delta_base(base_url)
     values = {name: flat[name].detach().to("cpu", copy=True) for name in candidates}
-    batch: dict[str, ItemRecord] = {}
-    held = 0
-    for name, record in candidates.items():
-        batch[name] = record
-        held += 2 * flat[name].numel() * flat[name].element_size()
-        if held >= DEFAULT_MEMORY_LIMIT:
-            _compare(runtime, base_url, storage_options, manifest, batch, flat, bases, kept)
-            batch, held = {}, 0
-    if batch:
-        _compare(runtime, base_url, storage_options, manifest, batch, flat, bases, kept)
+    for batch in batched(candidates.items(), lambda item: 2 * flat[item[0]].nbytes,
+                         DEFAULT_MEMORY_LIMIT):  # the base's values and the new ones
+        _compare(runtime, base_url, storage_options, manifest, dict(batch), flat, bases, kept)
     log.info("delta save over %s: %d of %d entries as deltas, %d unchanged", base_url,
              sum(b.payload for b in bases.values()), len(flat),
              sum(not b.payload for b in bases.values()))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import agree, gather
-from .chunks import chunk_id
+from .chunks import batched, chunk_id
 from .errors import CommunicationError, IntegrityError, StorageError
 from .runs import RunStore
 
@@ -175,16 +175,7 @@ def _least_loaded(candidates: list[str], load: dict[str, int], nbytes: int) -> s
 
 def rounds(copies: list[Copy], budget: int = ROUND_BYTES) -> Iterable[list[Copy]]:
     """``copies`` in order, cut into rounds of at most ``budget`` bytes (one copy at least)."""
-    batch: list[Copy] = []
-    size = 0
-    for copy in copies:
-        if batch and size + copy.nbytes > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append(copy)
-        size += copy.nbytes
-    if batch:
-        yield batch
+    return batched(copies, lambda copy: copy.nbytes, budget)
 
 
 def exchange(nodes: Nodes, copies: list[Copy], read: Callable[[str, int], torch.Tensor],
