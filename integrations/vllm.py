@@ -345,16 +345,20 @@ def register() -> None:
 
 
 def update_weights(llm: Any, url: str, *, storage_options: dict[str, Any] | None = None,
-                   memory_limit: int | None = None, weight_version: str | None = None) -> None:
+                   memory_limit: int | None = None, cache_dir: str | None = None,
+                   weight_version: str | None = None) -> None:
     """Move an offline ``vllm.LLM`` (started with ``weight_transfer_config={"backend":
     "ckptturbo"}``) to the checkpoint at ``url``: start, update, finish, with the weight
     version ``weight_version`` or else ``url`` (vLLM keeps the old version when none is
-    named). A failure raises and leaves the previous weights and version serving."""
+    named). ``cache_dir``: the node's cache tier, shared with the node's other engines. A
+    failure raises and leaves the previous weights and version serving."""
     info: dict[str, Any] = {"url": url}
     if storage_options is not None:
         info["storage_options"] = storage_options
     if memory_limit is not None:
         info["memory_limit"] = memory_limit
+    if cache_dir is not None:
+        info["cache_dir"] = cache_dir
     llm.start_weight_update()
     try:
         llm.update_weights({"update_info": info})

@@ -3,7 +3,8 @@
 Usage: python integration_vllm_update.py SPEC_JSON OUT_FILE
 
 SPEC: ``{"model": dir, "load_format": str, "extra": {...}, "tp": int, "control": port|null,
-"steps": [{"url": str, "storage_options": {...}, "outage": str|null, "raw": {...}|null}]}``.
+"steps": [{"url": str, "storage_options": {...}, "cache_dir": str|null, "outage": str|null,
+"raw": {...}|null}]}``.
 ``raw`` sends that ``update_info`` dict as is (a malformed request); ``outage`` switches the
 byte-counting proxy (``control`` is its port) to that outage for the step; ``retry_for``
 repeats a failing update until it succeeds or that many seconds have passed (a store
@@ -87,7 +88,8 @@ def main() -> None:
                 while True:
                     try:
                         ctv.update_weights(llm, step["url"],
-                                           storage_options=step.get("storage_options"))
+                                           storage_options=step.get("storage_options"),
+                                           cache_dir=step.get("cache_dir"))
                         break
                     except Exception:
                         if time.monotonic() > deadline:

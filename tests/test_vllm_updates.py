@@ -178,3 +178,38 @@ def test_updates_read_what_changed_and_answer_like_a_fresh_engine(s3_server, che
         assert step["error"] and "UpdateFailed" in step["error"], (kind, step["error"])
         _same_answers(step, to_step3, kind)
         assert step["version"] == urls["step-3"], kind
+
+
+def test_engines_of_a_node_share_one_read_through_the_cache_tier(s3_server, checkpoints,
+                                                                  tmp_path):
+    """Two engines on one node, loading and updating with one ``cache_dir``: the store
+    serves the checkpoint and the update's changed chunks once, not once per engine."""
+    config_dir, urls, _, manifests = checkpoints
+    cache_dir = str(tmp_path / "node-cache")
+    with ProxyProcess(s3_server.endpoint) as proxy:
+        so = proxy.storage_options(s3_server.storage_options)
+        spec = {"model": config_dir, "load_format": "ckptturbo", "tp": 1, "control": None,
+                "extra": {"url": urls["step-1"], "storage_options": so, "cache_dir": cache_dir},
+                "steps": [{"url": urls["step-2"], "storage_options": so,
+                           "cache_dir": cache_dir}]}
+        scratch = tmp_path / "tmp"
+        scratch.mkdir()
+        env = dict(os.environ, TMPDIR=str(scratch), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        procs = [subprocess.Popen([sys.executable,
+                                   os.path.join(TESTS, "integration_vllm_update.py"),
+                                   json.dumps(spec), str(tmp_path / f"engine{i}.pt")],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for i in range(2)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=420)
+            assert proc.returncode == 0, err[-6000:]
+        fetched = proxy.control.stats().bytes_down
+    runs = [torch.load(tmp_path / f"engine{i}.pt", weights_only=False) for i in range(2)]
+    for run in runs:
+        (step,) = run["steps"]
+        assert step["error"] is None
+    assert runs[0]["steps"][0]["tokens"] == runs[1]["steps"][0]["tokens"]
+    model = sum(manifests["step-1"].chunks.values())
+    changed = _changed_chunk_bytes(manifests["step-1"], manifests["step-2"])
+    # once between the two engines (plus manifests and listings), far from twice
+    assert model + changed <= fetched < 1.2 * (model + changed), (fetched, model, changed)
