@@ -52,11 +52,13 @@ def share(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tenso
         agree(group, "mapping the served tensors",
               lambda: shared.update({name: _map(path, tensors[name])
                                      for name, path in zip(names, paths, strict=True)}))
-        return shared
     finally:
         if first:
             for path in paths:
                 os.unlink(path)
+    # every worker returns once the files are gone: nothing is left for a crash to leak
+    agree(group, "unlinking the served tensors' files", lambda: None)
+    return shared
 
 
 def _write(tensors: dict[str, torch.Tensor], names: list[str]) -> list[str]:
