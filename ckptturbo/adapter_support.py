@@ -7,7 +7,7 @@ written down here.
 """
 from __future__ import annotations
 
-from .agreement import agree, gather
+from .agreement import agree, gather, settle
 from .failures import ckptturbo_errors
 from .paths import OWN_STORE, RUN_STORE
 from .tree import SKELETON_KEY, flatten
@@ -21,5 +21,6 @@ __all__ = [
     "ckptturbo_errors",  # a block whose failures leave as ckptturbo errors naming a URL
     "flatten",  # a nested state as flat keys ct.save takes, restorable exactly
     "gather",  # every rank's value on every rank, failures agreed (one outcome)
+    "settle",  # a step every rank runs, its result kept here, its failure raised everywhere
     "parent_url",  # the run (chunk store) a checkpoint URL belongs to: its parent
 ]

@@ -42,3 +42,11 @@ def agree(group: Any, action: str, step: Callable[[], T]) -> list[T]:
                 raise mine_error
             raise CkptTurboError(f"{action} failed on rank {rank}: {problem}")
     return [result for result, _ in everyone]
+
+
+def settle(group: Any, action: str, step: Callable[[], T]) -> T:
+    """``agree`` for a step whose result stays here (tensors, mappings): only the outcome
+    travels; a failure on any rank is raised on every rank, as in ``agree``."""
+    mine: list[T] = []
+    agree(group, action, lambda: mine.append(step()))
+    return mine[0]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptturbo.adapter_support import agree, gather
+from ckptturbo.adapter_support import agree, gather, settle
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,10 @@ def share(tensors: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tenso
     paths = agree(group, "sharing the served tensors", lambda: _write(tensors, names) if first
                   else None)[0]
     assert paths is not None
-    shared: dict[str, torch.Tensor] = {}
     try:  # only the outcome travels: each worker keeps its own mappings
-        agree(group, "mapping the served tensors",
-              lambda: shared.update({name: _map(path, tensors[name])
-                                     for name, path in zip(names, paths, strict=True)}))
+        shared = settle(group, "mapping the served tensors",
+                        lambda: {name: _map(path, tensors[name])
+                                 for name, path in zip(names, paths, strict=True)})
     finally:
         if first:
             for path in paths:

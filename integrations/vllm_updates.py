@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import ckptturbo as ct
-from ckptturbo.adapter_support import agree
+from ckptturbo.adapter_support import settle
 from ckptturbo.errors import CheckpointKindError, CkptTurboError, MismatchError
 
 from .vllm import (
@@ -169,14 +169,11 @@ class WeightUpdate:
     def _agreed(self, step: str, action: Any) -> Any:
         """``action()`` here; its failure on any worker raised on every worker (only the
         outcome travels: each worker keeps its own result)."""
-        result: list[Any] = []
         try:
-            agree(self.group, f"weight update to {self.url} ({step})",
-                  lambda: result.append(action()))
+            return settle(self.group, f"weight update to {self.url} ({step})", action)
         except Exception as exc:
             raise UpdateFailed(f"weight update to {self.url} failed while {step}; the previous "
                                f"weights still serve: {exc}") from exc
-        return result[0]
 
     def _stage(self, served: ServedWeights) -> tuple[dict[str, str] | None, dict[str, Any]]:
         """Every changed tensor, read, verified and checked against the served ones."""
