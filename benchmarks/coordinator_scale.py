@@ -24,7 +24,9 @@ coordinator), ``scatter`` (pickling each rank's plan, unpickling it on the rank)
 (manifest or .metadata built and written), and on load ``metadata`` (every rank reads
 the manifest or .metadata). Ranks whose inputs are identical (the replicas of one shard
 position, all DDP ranks but the coordinator) do identical work: it is measured once and
-counted for each of them; every rank's own plan and results are measured for every rank.
+counted for each of them; every rank's own plan and results are measured for every rank,
+and so is the storage layer's local step under ckptturbo's own planners, where the one
+rank of a group that sends the plan does more than the others.
 Bytes: pickled sizes of what each rank sends and receives. "coordinator" = gather +
 global + scatter + results + finish (what DCP's plan cache exists to save).
 """
@@ -323,15 +325,17 @@ def simulate_save(side: Side, url: str, world: int, sharded: bool, sds: dict[int
 
         plan, t = cpu(planner_step, planner, writer, rep)
         plan, t2 = cpu(writer.prepare_local_plan, plan)
-        ledger.cost["local"] += (t + t2) * len(members)
+        others = [r for r in members if (r in firsts) != (rep in firsts)]
+        ledger.cost["local"] += t * len(members) + t2 * (len(members) - len(others))
         ledger.planner += t * len(members)
         sent_items[rep] = getattr(planner, "_pending_local_plan", planner.plan).items
-        others = [r for r in members if (r in firsts) != (rep in firsts)]
         local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
-        for r in others:  # a sender and the members that are not, or the other way round
+        for r in others:  # a sender and the members that are not, or the other way round:
+            # the storage layer's part of each measured on its own (a sender's differs)
             mine = grouped_plan(planner.plan, plan.planner_data.digest, r in firsts)
-            plans_of[r], _ = ledger.wire("gather", writer.prepare_local_plan(mine), 1,
-                                         to_rank=False)
+            mine, t2 = cpu(writer.prepare_local_plan, mine)
+            ledger.cost["local"] += t2
+            plans_of[r], _ = ledger.wire("gather", mine, 1, to_rank=False)
     all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     caches.use(0)
     (central, metadata), t = cpu(lambda: planners[0].create_global_plan(all_plans))
@@ -422,13 +426,14 @@ def simulate_load(side: Side, url: str, world: int, sharded: bool, sds: dict[int
         if side.grouped:
             plan = grouped_plan(planners[rep].local, plan.planner_data.digest, rep in firsts)
         plan, t2 = cpu(reader_step, reader, rep, plan)
-        ledger.cost["local"] += t2 * len(members)
         others = [r for r in members if (r in firsts) != (rep in firsts)]
+        ledger.cost["local"] += t2 * (len(members) - len(others))
         local[rep], _ = ledger.wire("gather", plan, len(members) - len(others), to_rank=False)
-        for r in others:
+        for r in others:  # as on save: a sender's part and the others' measured apart
             mine = grouped_plan(planners[rep].local, plan.planner_data.digest, r in firsts)
-            plans_of[r], _ = ledger.wire("gather", reader.prepare_local_plan(mine), 1,
-                                         to_rank=False)
+            mine, t2 = cpu(reader_step, reader, r, mine)
+            ledger.cost["local"] += t2
+            plans_of[r], _ = ledger.wire("gather", mine, 1, to_rank=False)
     all_plans = [plans_of.get(r) or local[rep_of[r]] for r in range(world)]
     central, t = cpu(lambda: planners[0].create_global_plan(all_plans))
     central, t2 = cpu(lambda: readers[0].prepare_global_plan(central))

@@ -41,6 +41,7 @@ from .plan.digests import (
     plan_digest,
     ranks_by_digest,
 )
+from .plan.flatten import flatten
 from .plan.local import local_load_plan, local_save_plan, materialise_meta
 
 
@@ -62,6 +63,17 @@ class TurboSavePlanner(DefaultSavePlanner):
                          flatten_sharded_tensors=flatten_sharded_tensors,
                          dedup_save_to_lowest_rank=dedup_save_to_lowest_rank)
         self.process_group = process_group
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, with both of its walks made in one (``plan.flatten``) where they can."""
+        flat = flatten(state_dict) if self.flatten_state_dict and \
+            self.flatten_sharded_tensors else None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        self.state_dict, self.mappings = flat
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
@@ -119,9 +131,19 @@ class TurboLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
-        """DCP's, with tensors on the meta device materialised faster first."""
+        """DCP's, with tensors on the meta device materialised faster first, and DCP's
+        walks made in one (``plan.flatten``) where they can (DCP's set-up then finds
+        nothing left to materialise)."""
         materialise_meta(state_dict, _materialised)
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        flat = flatten(state_dict) if self.flatten_state_dict and \
+            self.flatten_sharded_tensors else None
+        if flat is None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flat
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state
@@ -137,7 +159,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         self._local = plan
         if self.process_group is None:
             return plan
-        digest = plan_digest([_read_line(i) for i in plan.items], None)
+        digest = plan_digest(map(_read_key, plan.items), None)
         return grouped_plan(plan, digest, self._is_first(digest))
 
     def _is_first(self, digest: str) -> bool:
@@ -168,26 +190,26 @@ def _materialised(tensor: Any) -> Any:
 
 def save_digest(plan: SavePlan) -> str:
     """The digest of a local save plan: its items and DCP's flattening mappings."""
-    return plan_digest([_write_line(i) for i in plan.items], plan.planner_data)
+    return plan_digest(map(_write_key, plan.items), plan.planner_data)
 
 
-def _write_line(item: WriteItem) -> str:
-    """Everything of a write item that planning and metadata use, as one line (an
-    f-string costs a third of pickling the item; sizes and offsets as torch formats them)."""
+def _write_key(item: WriteItem) -> tuple[tuple, tuple]:
+    """A write item's own names, and the key of everything else of it that planning and
+    metadata use (see ``plan_digest``)."""
     td = item.tensor_data
     if td is None:
-        return f"{item.index.fqn}|{item.type.value}|{item.index.offset}"
+        return (item.index.fqn, item.type.value), (item.index.offset,)
     c, p = td.chunk, td.properties
-    return (f"{item.index.fqn}|{item.type.value}|{item.index.offset}|{c.offsets}|{c.sizes}|"
-            f"{td.size}|{p.dtype}|{p.layout}|{p.requires_grad}|{p.memory_format}|"
-            f"{p.pin_memory}")
+    return (item.index.fqn, item.type.value), (
+        item.index.offset, c.offsets, c.sizes, td.size, p.dtype, p.layout, p.requires_grad,
+        p.memory_format, p.pin_memory)
 
 
-def _read_line(item: ReadItem) -> str:
-    """Everything of a read item, as one line."""
+def _read_key(item: ReadItem) -> tuple[tuple, tuple]:
+    """A read item's own names, and the key of the rest of it."""
     d, s = item.dest_index, item.storage_index
-    return (f"{item.type.value}|{d.fqn}|{d.offset}|{item.dest_offsets}|{s.fqn}|{s.offset}|"
-            f"{item.storage_offsets}|{item.lengths}")
+    return (item.type.value, d.fqn, s.fqn), (d.offset, item.dest_offsets, s.offset,
+                                             item.storage_offsets, item.lengths)
 
 
 def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bool:

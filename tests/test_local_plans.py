@@ -171,3 +171,33 @@ def _meta_load(rank: int, world: int) -> list:
 def test_meta_tensors_and_dtensors_plan_as_with_dcp():
     out = run_distributed(_meta_load, 4, timeout=120)
     assert out[0] != out[1]  # each rank its own shard
+
+
+def test_one_walk_flattens_as_dcps_two_or_hands_over_to_them():
+    """plan.flatten gives DCP's flattening (keys in order, mappings, the very values) for
+    nested dicts, int keys, lists of tensors, dicts in lists, tuples and empty dicts, and
+    None (DCP's own walks) where the rebuild would pad a list or a key repeats."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    from ckptturbo.plan.flatten import flatten
+
+    t = torch.ones(2)
+    states = [
+        _state(),
+        {"optim": {"state": {0: {"step": t, "exp_avg": t}, 1: {}},
+                   "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"params": []}]}},
+        {"lst": [t, 3, [4, 5], [t, "x"]], "tup": (t, 1), "empty": {}, "none": None},
+        {"deep": {"a": [{"b": t}, {"c": [1, 2]}], "": {"x": t}}},
+    ]
+    for state in states:
+        theirs = flatten_state_dict(_flatten_sharded_tensors(state))
+        ours = flatten(state)
+        assert ours is not None
+        assert list(ours[0]) == list(theirs[0]) and ours[1] == theirs[1]
+        assert all(a is b for a, b in zip(ours[0].values(), theirs[0].values(), strict=True))
+    for state in ({"pad": [{}, t]}, {"pad": [{"e": {}}, t]}, {"a.b": t, "a": {"b": t}}):
+        assert flatten(state) is None, state
+    # the corner itself: DCP's rebuild pads the list, so its keys differ from one flatten
+    assert list(flatten_state_dict(_flatten_sharded_tensors({"pad": [{}, t]}))[0]) != \
+        list(flatten_state_dict({"pad": [{}, t]})[0])

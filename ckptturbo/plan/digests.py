@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 DIGEST_BYTES = 16
@@ -36,12 +36,19 @@ class PlanDigest:
         return (PlanDigest, (self.digest, self.sender, self.mappings if self.sender else None))
 
 
-def plan_digest(lines: Sequence[str], mappings: Any) -> str:
-    """A digest of a local plan: ``lines`` describe its items, one line each naming all
-    the coordinator plans with (the planner makes them); ``mappings`` is its planner data.
-    Equal digests mean equal plans."""
-    h = hashlib.blake2b("\n".join(lines).encode(), digest_size=DIGEST_BYTES)
-    h.update(pickle.dumps(mappings, protocol=pickle.HIGHEST_PROTOCOL))
+def plan_digest(items: Iterable[tuple[tuple, tuple]], mappings: Any) -> str:
+    """A digest of a local plan: ``items`` gives, for each of its items, the names that
+    are its own (its fqn, its kind) and the key of its shape (sizes, offsets, dtype and
+    the rest, everything else the coordinator plans with; the planner makes both);
+    ``mappings`` is its planner data. Each distinct shape key is described once, as text,
+    and items refer to it by number: a model's layers repeat a few shapes, and formatting
+    a key is most of a digest's cost. Equal digests mean equal plans."""
+    shapes: dict[tuple, int] = {}
+    rows = [(*names, shapes.setdefault(key, len(shapes))) for names, key in items]
+    described = ["|".join(map(str, key)) for key in shapes]
+    h = hashlib.blake2b(pickle.dumps((rows, described, mappings),
+                                     protocol=pickle.HIGHEST_PROTOCOL),
+                        digest_size=DIGEST_BYTES)
     return h.hexdigest()
 
 

@@ -63,7 +63,7 @@ def local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePla
 def _whole_write(fqn: str, tensor: torch.Tensor) -> WriteItem:
     """DCP's write item of a whole plain tensor (``_create_write_item_for_tensor``)."""
     size = tensor.size()
-    offsets = torch.Size((0,) * len(size))
+    offsets = _zeros(len(size))
     properties = TensorProperties(dtype=tensor.dtype, layout=tensor.layout,
                                   requires_grad=tensor.requires_grad,
                                   memory_format=torch.contiguous_format,
@@ -134,10 +134,13 @@ def _whole_read(fqn: str, md: Any, obj: Any, shards: _Shards) -> ReadItem | None
     """The one read item of a plain tensor, or of a DTensor's shard, that the checkpoint
     holds as one chunk of exactly its box, as DCP's resharding makes it (saved chunks do
     not overlap: DCP validates that on save); None for anything else."""
-    if not isinstance(md, TensorStorageMetadata) or md.size != obj.size():
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    size = obj.size()
+    if md.size != size:
         return None
     if type(obj) in _PLAIN:
-        sizes, offsets = obj.size(), torch.Size((0,) * obj.dim())
+        sizes, offsets = size, _zeros(len(size))
     else:
         shard = shards.of(obj)
         if shard is None:
@@ -145,15 +148,29 @@ def _whole_read(fqn: str, md: Any, obj: Any, shards: _Shards) -> ReadItem | None
         sizes, offsets = shard
     if 0 in sizes:
         return None
-    at = next((i for i, c in enumerate(md.chunks) if c.offsets == offsets and c.sizes == sizes),
-              None)
+    chunks = md.chunks
+    if len(chunks) == 1 and chunks[0].offsets == offsets and chunks[0].sizes == sizes:
+        at: int | None = 0
+    else:
+        at = next((i for i, c in enumerate(chunks) if c.offsets == offsets and c.sizes == sizes),
+                  None)
     if at is None:
         return None
-    chunk = md.chunks[at]
-    zeros = torch.Size((0,) * len(sizes))
+    zeros = _zeros(len(sizes))
     return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0),
-                    dest_offsets=zeros, storage_index=MetadataIndex(fqn, chunk.offsets, at),
+                    dest_offsets=zeros, storage_index=MetadataIndex(fqn, chunks[at].offsets, at),
                     storage_offsets=zeros, lengths=torch.Size(sizes))
+
+
+_ZEROS: dict[int, torch.Size] = {}
+
+
+def _zeros(ndim: int) -> torch.Size:
+    """The offsets of a box's origin, one per rank of tensor (a torch.Size cannot change:
+    items share it)."""
+    if ndim not in _ZEROS:
+        _ZEROS[ndim] = torch.Size((0,) * ndim)
+    return _ZEROS[ndim]
 
 
 def materialise_meta(state_dict: dict[str, Any],
