@@ -28,7 +28,10 @@ counted for each of them; every rank's own plan and results are measured for eve
 and so is the storage layer's local step under ckptturbo's own planners, where the one
 rank of a group that sends the plan does more than the others.
 Bytes: pickled sizes of what each rank sends and receives. "coordinator" = gather +
-global + scatter + results + finish (what DCP's plan cache exists to save).
+global + scatter + results + finish of the save, both ends of each exchange (what DCP's
+plan cache exists to save); "coordinator rank" = what the coordinator rank itself spends
+coordinating a save and a load: unpickling what every rank sends, pickling what it sends
+each rank (once for a broadcast), its global planning and the commit.
 """
 from __future__ import annotations
 
@@ -175,12 +178,17 @@ class Ledger:
         self.planner = 0.0
         self.scatter: list[int] = []  # bytes each rank receives
         self.sent: Counter[str] = Counter()  # bytes sent to the coordinator, per phase
+        self.coordinator_rank = 0.0  # the coordinator rank's own part of the exchanges
 
-    def wire(self, phase: str, obj: Any, times: int, to_rank: bool) -> tuple[Any, int]:
-        """Pickle on one side, unpickle on the other, counted ``times``."""
+    def wire(self, phase: str, obj: Any, times: int, to_rank: bool,
+             broadcast: bool = False) -> tuple[Any, int]:
+        """Pickle on one side, unpickle on the other, counted ``times``. The coordinator
+        rank's own part: it unpickles what every rank sends, pickles what it sends each
+        rank (once for a ``broadcast``)."""
         blob, t1 = cpu(lambda: pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         back, t2 = cpu(lambda: pickle.loads(blob))
         self.cost[phase] += (t1 + t2) * times
+        self.coordinator_rank += t1 * (1 if broadcast else times) if to_rank else t2 * times
         if to_rank:
             self.scatter += [len(blob)] * times
         else:
@@ -385,7 +393,7 @@ def _digest_exchange(ledger: Ledger, world: int, rep_of: dict[int, int],
     everyone = [sent if rep_of[r] == rep_of[0] else digests[rep_of[r]] for r in range(world)]
     firsts, t = cpu(lambda: sorted(first_ranks(everyone).values()))
     ledger.cost["global"] += t
-    ledger.wire("scatter", firsts, world, to_rank=True)
+    ledger.wire("scatter", firsts, world, to_rank=True, broadcast=True)
     return set(firsts)
 
 
@@ -479,6 +487,8 @@ def run_world(workload: str, world: int, root: str) -> dict[str, Any]:
             "planner_s": save.planner + load.planner,
             "coordinator_s": sum(save.cost[p] for p in COORDINATOR),
             "coordinator_again_s": sum(again.cost[p] for p in COORDINATOR),
+            "coordinator_rank_s": sum(led.coordinator_rank + led.cost["global"]
+                                      + led.cost["finish"] for led in (save, load)),
             "max_plan_bytes": max(save.scatter + load.scatter),
             "max_load_plan_bytes": max(load.scatter), "max_save_plan_bytes": max(save.scatter),
             "scatter_bytes": sum(save.scatter) + sum(load.scatter),
@@ -522,6 +532,9 @@ def summarise(rows: list[dict]) -> dict[str, Any]:
             "own_coordinator_ratio": o["coordinator_s"] / d["coordinator_s"],
             "own_total_exponent": exponent(mine, "ckptturbo-own", "total_s"),
             "own_coordinator_exponent": exponent(mine, "ckptturbo-own", "coordinator_s"),
+            "own_coordinator_rank_ratio": o["coordinator_rank_s"] / d["coordinator_rank_s"],
+            "own_coordinator_rank_exponent": exponent(mine, "ckptturbo-own",
+                                                      "coordinator_rank_s"),
         }
     return out
 
@@ -548,6 +561,13 @@ def scenario(args: Any) -> Report:
                        d["total_s"], "s", target=0.1 if workload.startswith("ddp") else 0.3)
         report.compare(f"{at}: coordinator CPU s, ckptturbo's own planners", own["coordinator_s"],
                        d["coordinator_s"], "s", target=0.1)
+        report.compare(f"{at}: the coordinator rank alone (save and load), ckptturbo's own "
+                       "planners", own["coordinator_rank_s"], d["coordinator_rank_s"], "s",
+                       target=0.1)
+        if workload.startswith("ddp"):
+            report.compare(f"{workload}: the coordinator rank alone, growth exponent, "
+                           "ckptturbo's own planners", sm["own_coordinator_rank_exponent"], 1.0,
+                           "x", peer_name="linear (1.0)", target=0.2)
         report.compare(f"{at}: largest per-rank plan", t["max_plan_bytes"], d["max_plan_bytes"],
                        "B", target=1.0)
         report.compare(f"{workload}: scatter bytes growth exponent", sm["scatter_exponent"], 1.0,
@@ -604,6 +624,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "total_s": s["total_s"], "beyond_s": s["total_s"] - s["planner_s"],
                          "coord_s": s["coordinator_s"],
                          "coord_again_s": s["coordinator_again_s"],
+                         "coord_rank_s": s["coordinator_rank_s"],
                          "max_plan_kib": s["max_plan_bytes"] / 1024,
                          "scatter_mib": s["scatter_bytes"] / 2**20,
                          "gather_mib": s["gather_bytes"] / 2**20,
@@ -614,6 +635,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("save s", "save_s", ".1f"), ("load s", "load_s", ".1f"), ("total s", "total_s", ".1f"),
         ("not planner s", "beyond_s", ".1f"),
         ("coord s", "coord_s", ".2f"), ("coord cached s", "coord_again_s", ".2f"),
+        ("coord rank s", "coord_rank_s", ".2f"),
         ("max plan KiB", "max_plan_kib", ".1f"), ("scatter MiB", "scatter_mib", ".1f"),
         ("gather MiB", "gather_mib", ".1f"), ("results MiB", "results_mib", ".1f"),
         ("manifest KiB", "meta_kib", ".0f")])
@@ -629,7 +651,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {workload} @ {s['ranks']}, ckptturbo with its own planners / DCP: total "
               f"{s['own_total_ratio']:.3f}x, coordinator {s['own_coordinator_ratio']:.3f}x; "
               f"growth exponents: total {s['own_total_exponent']:.2f}, coordinator "
-              f"{s['own_coordinator_exponent']:.2f}")
+              f"{s['own_coordinator_exponent']:.2f}; the coordinator rank alone (save and "
+              f"load) {s['own_coordinator_rank_ratio']:.3f}x, growth exponent "
+              f"{s['own_coordinator_rank_exponent']:.2f}")
     doc = {"rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:

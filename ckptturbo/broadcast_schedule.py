@@ -16,9 +16,9 @@ every rank.
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -85,15 +85,32 @@ def plan_schedule(transfers: Sequence[Transfer], piece_size: int,
     Greedy in tid order: a transfer starts as soon as every member has a free buffer slot
     (each rank has ``max_inflight``). Transfers with disjoint members overlap freely, so
     independent chains run side by side. Pure and deterministic: all ranks agree.
+
+    Each rank's slots are a row of free steps; a transfer takes, on each member, the slot
+    that frees first (its smallest entry) and holds it until its last step. The members
+    of one transfer are distinct ranks, so each transfer is a handful of array operations
+    over its chain: a whole-state load of thousands of ranks chains every rank through
+    every chunk, and a Python step per member made this the coordinator's largest cost.
     """
-    slots: dict[int, list[int]] = {}  # rank -> min-heap of the free_step of each slot
+    ordered = sorted(filter(needs_communication, transfers), key=lambda t: t.tid)
+    if not ordered:
+        return {}
+    world = 1 + max(max(t.chain) for t in ordered)
+    slots = np.full((world, max_inflight), -1, dtype=np.int64)  # each slot's free step
+    longest = max(len(t.chain) for t in ordered)
+    positions = np.arange(longest, dtype=np.int64)
+    wait = np.where(positions == 0, 1, 2 - positions)  # _earliest_start's offset per position
     starts: dict[int, int] = {}
-    for t in sorted(filter(needs_communication, transfers), key=lambda t: t.tid):
-        heaps = [slots.setdefault(r, [-1] * max_inflight) for r in t.chain]
-        start = max(0, *(_earliest_start(h[0], p) for p, h in enumerate(heaps)))
-        n = npieces(t.nbytes, piece_size)
-        for p, h in enumerate(heaps):
-            heapq.heapreplace(h, last_step(start, n, p, len(t.chain)) + 1)
+    for t in ordered:
+        chain = np.asarray(t.chain, dtype=np.int64)
+        length = len(chain)
+        held = slots[chain]
+        slot = held.argmin(axis=1)
+        free = held[np.arange(length), slot]
+        start = max(0, int((free + wait[:length]).max()))
+        last = start + npieces(t.nbytes, piece_size) - 1 + positions[:length]
+        last[-1] -= 1  # the tail only receives (last_step)
+        slots[chain, slot] = last + 1
         starts[t.tid] = start
     return starts
 
@@ -135,7 +152,8 @@ def schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int,
     ordered = sorted(transfers, key=lambda t: t.tid)
     lengths = np.fromiter((len(t.chain) for t in ordered), dtype=np.int64, count=len(ordered))
     total = int(lengths.sum())
-    members = np.fromiter((r for t in ordered for r in t.chain), dtype=np.int64, count=total)
+    members = np.fromiter(chain.from_iterable(t.chain for t in ordered), dtype=np.int64,
+                          count=total)
     first = np.cumsum(lengths) - lengths  # index of each transfer's head in `members`
     pos = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
     start = np.fromiter((starts.get(t.tid, LOCAL) for t in ordered), dtype=np.int64,
@@ -217,7 +235,7 @@ def validate(transfers: Sequence[Transfer], world_size: int) -> None:
         seen.add(t.tid)
         if t.nbytes < 0 or not t.chain:
             raise PlanError(f"transfer {t.tid}: needs nbytes >= 0 and a non-empty chain, got {t}")
-        if len(set(t.chain)) != len(t.chain) or not all(0 <= r < world_size for r in t.chain):
+        if len(set(t.chain)) != len(t.chain) or min(t.chain) < 0 or max(t.chain) >= world_size:
             raise PlanError(f"transfer {t.tid}: chain {t.chain} must list distinct ranks "
                             f"of a group of {world_size}")
 

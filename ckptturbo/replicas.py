@@ -51,8 +51,11 @@ def pack(prints: Iterable[tuple[int, int]]) -> bytes:
 
 def check(sent: Iterable[bytes], indices: Iterable[MetadataIndex], raise_: bool) -> None:
     """Warn about (or raise for) every item whose holders' fingerprints differ. ``sent``:
-    what each rank packed; ``indices``: every item of the checkpoint, to name a culprit."""
-    pairs = [np.frombuffer(b, dtype=np.int64).reshape(-1, 2) for b in sent if b]
+    what each rank packed; ``indices``: every item of the checkpoint, to name a culprit.
+    Replicas that agree send equal bytes (every DDP rank, every replica of an HSDP shard),
+    so equal packs are compared once: the work grows with the distinct packs, not with
+    world x items."""
+    pairs = [np.frombuffer(b, dtype=np.int64).reshape(-1, 2) for b in dict.fromkeys(sent) if b]
     if not pairs:
         return
     both = np.concatenate(pairs)

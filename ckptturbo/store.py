@@ -22,6 +22,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import fsspec
@@ -29,7 +30,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from .chunk_store import ObjectInfo, default_opener
-from .errors import CheckpointNotFound, ShortReadError, StorageError
+from .errors import CheckpointNotFound, CkptTurboError, ShortReadError, StorageError
 from .retry import RetryPolicy, is_past_the_end
 from .urls import options_key
 
@@ -47,6 +48,8 @@ class IOPools(Protocol):
 
 # A local write goes to a file of this name beside its target, then is renamed over it
 TEMP_PREFIX = ".tmp-"
+_BULK_DELETE = 1000  # S3's most keys in one DeleteObjects request
+_LOCAL_DELETES_PER_TASK = 256
 
 # Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
 # redundant CPU work on both sides; it is computed only where S3 requires it. Retries are
@@ -409,10 +412,33 @@ class Store:
         return sorted(e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
 
     def delete(self, paths: Iterable[str]) -> None:
+        """Delete every path; an absent one raises CheckpointNotFound once all the others
+        are done. A save's commit removes one marker per rank and a gc pass every doomed
+        chunk: thousands of paths. On S3 they go in DeleteObjects requests of up to 1,000
+        keys (absent keys are no error there); on a local disk a few hundred to a task."""
         paths = list(paths)
-        if paths:
-            self.map(lambda p: self.policy.call(
-                "delete", p, lambda: self._request("rm_file", p)), paths)
+        if not paths:
+            return
+        if self.protocol in ("s3", "s3a") and hasattr(self.fs, "_bulk_delete"):
+            batches = [paths[i:i + _BULK_DELETE] for i in range(0, len(paths), _BULK_DELETE)]
+            self.map(lambda batch: self.policy.call(
+                "delete", f"{batch[0]} (and {len(batch) - 1} more)",
+                lambda: self._request("bulk_delete", batch)), batches)
+            return
+        per_task = _LOCAL_DELETES_PER_TASK if self.is_local else 1  # a remote one: a request
+        self.map(self._delete_each, [paths[i:i + per_task]
+                                     for i in range(0, len(paths), per_task)])
+
+    def _delete_each(self, paths: list[str]) -> None:
+        """Delete paths one by one, each attempted; the first failure is raised after."""
+        failure: BaseException | None = None
+        for p in paths:
+            try:
+                self.policy.call("delete", p, partial(self._request, "rm_file", p))
+            except CkptTurboError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def check_reachable(self) -> None:
         """Fail fast with a clear error when the location (bucket, directory) is unusable."""

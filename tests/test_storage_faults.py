@@ -302,3 +302,29 @@ def test_ranged_parts_are_bit_exact_at_ten_percent_faults(s3_server, monkeypatch
         loaded = _load(sd, url, options)
     for name, tensor in sd.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_many_deletes_go_in_few_requests_and_remove_every_object(s3_server, tmp_path):
+    """A commit removes one marker per rank and a gc every doomed chunk: on S3, 1,003
+    paths (3 of them absent) go in two DeleteObjects requests, not 1,003 DELETEs, and
+    every object is gone; on a local disk the same paths go, and an absent one is named
+    once the others are deleted."""
+    from ckptturbo.store import Store
+
+    store = Store(s3_server.url("bulk-deletes"), s3_server.storage_options)
+    paths = [store.join(store.root, "pending", f"m{i:04d}") for i in range(1003)]
+    store.map(lambda p: store.put(p, b"x", durable=False), paths[:1000])
+    requests = []
+    store.fs.s3.meta.events.register(
+        "before-send.s3", lambda request, **_: requests.append(request.method))
+    store.delete(paths)
+    assert Counter(requests) == Counter({"POST": 2})
+    assert store.list_files(store.join(store.root, "pending")) == []
+
+    local = Store(str(tmp_path), None)
+    paths = [local.join(local.root, f"m{i:04d}") for i in range(600)]
+    for p in paths[:599]:
+        local.put(p, b"x", durable=False)
+    with pytest.raises(ct.CheckpointNotFound, match="m0599"):
+        local.delete(paths)
+    assert os.listdir(tmp_path) == []
