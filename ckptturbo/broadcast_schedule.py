@@ -8,17 +8,17 @@ over hop ``j`` (``chain[j] -> chain[j+1]``) at step ``s0 + i + j``: the receiver
 piece in the step before it forwards it. Start steps are assigned greedily in tid order so
 that no rank ever holds more than ``max_inflight`` assembly buffers (see
 :func:`plan_schedule`). A rank needs only its own :class:`Part` of each transfer it belongs
-to (the step it sends piece 0, its predecessor and successor): :func:`schedule` computes
-every rank's parts once, on a coordinator, so no rank holds the schedule of the whole job;
-:func:`own_parts` extracts one rank's parts from the full list, for callers that have it on
-every rank.
+to (the step it sends piece 0, its predecessor and successor): a coordinator computes the
+start steps once and sends the ranks that need the same chunks their transfers in a form
+each of them computes its own parts from (:class:`RotatedChains`), so no rank holds the
+schedule of the whole job; :func:`own_parts` extracts one rank's parts from the full list,
+for callers that have it on every rank.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -121,7 +121,7 @@ class Part(NamedTuple):
     ``step`` is the step in which this member sends piece 0 (it receives piece ``i`` at
     ``step - 1 + i``), or ``LOCAL`` for a transfer without communication; ``prev`` and
     ``next`` are the ranks it receives from and forwards to (``NONE`` for the head and the
-    tail). Rows of :func:`schedule`'s arrays are these five numbers.
+    tail).
     """
 
     tid: int
@@ -139,56 +139,100 @@ LOCAL = -1  # Part.step of a transfer that moves nothing between ranks
 NONE = -1  # Part.prev of a head, Part.next of a tail
 
 
-def schedule(transfers: Sequence[Transfer], piece_size: int, max_inflight: int,
-             world_size: int) -> list[np.ndarray]:
-    """Every rank's parts, computed once (on a coordinator): for each rank an int64 array
-    of shape (n, 5) whose rows are its :class:`Part` fields, in tid order.
+class RotatedChains(NamedTuple):
+    """Transfers whose chains are rotations of one ascending list of ranks, as
+    ``plan.reads`` makes them (each chunk read by one of the ranks that need it and
+    forwarded round the others), with their start steps: enough for each of those ranks
+    to compute its own parts (:func:`rotated_parts`). A coordinator sends every group of
+    ranks that need the same chunks one of these instead of building each rank's parts:
+    where every rank needs every chunk (a whole-state load) that is world x chunks rows
+    it neither builds nor sends.
 
-    The schedule is :func:`plan_schedule`'s; the arrays are built column-wise, so the cost
-    beyond it is a sort of the job's chain members, not a Python object per member.
+    ``needers``: the ranks, an int array, or ``(first, stride, count)`` where they are
+    evenly spaced (every rank of a DDP job, the replicas of an HSDP shard). Per transfer:
+    ``tids``, ``starts`` (``LOCAL``: it moves nothing between ranks) and ``heads`` (the
+    index in the needers of the rank that heads it).
     """
-    validate(transfers, world_size)
-    starts = plan_schedule(transfers, piece_size, max_inflight)
-    ordered = sorted(transfers, key=lambda t: t.tid)
-    lengths = np.fromiter((len(t.chain) for t in ordered), dtype=np.int64, count=len(ordered))
-    total = int(lengths.sum())
-    members = np.fromiter(chain.from_iterable(t.chain for t in ordered), dtype=np.int64,
-                          count=total)
-    first = np.cumsum(lengths) - lengths  # index of each transfer's head in `members`
-    pos = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)
-    start = np.fromiter((starts.get(t.tid, LOCAL) for t in ordered), dtype=np.int64,
-                        count=len(ordered))
-    start = np.repeat(start, lengths)
-    local = start == LOCAL
-    rows = np.empty((total, 5), dtype=np.int64)
-    rows[:, 0] = np.repeat(np.fromiter((t.tid for t in ordered), dtype=np.int64,
-                                       count=len(ordered)), lengths)
-    rows[:, 1] = np.repeat(np.fromiter((t.nbytes for t in ordered), dtype=np.int64,
-                                       count=len(ordered)), lengths)
-    rows[:, 2] = np.where(local, LOCAL, start + pos)
-    prev = np.empty(total, dtype=np.int64)
-    prev[1:] = members[:-1]
-    prev[pos == 0] = NONE
-    # the members of a local transfer only take an empty sink from its head
-    prev[local & (pos > 0)] = np.repeat(members[first], lengths)[local & (pos > 0)]
-    nxt = np.empty(total, dtype=np.int64)
-    nxt[:-1] = members[1:]
-    nxt[(pos == np.repeat(lengths, lengths) - 1) | local] = NONE
-    rows[:, 3], rows[:, 4] = prev, nxt
-    order = np.argsort(members, kind="stable")  # stable: tid order within a rank
-    counts = np.bincount(members, minlength=world_size)
-    return np.split(rows[order], np.cumsum(counts)[:-1])
+
+    needers: np.ndarray | tuple[int, int, int]
+    tids: np.ndarray
+    starts: np.ndarray
+    heads: np.ndarray
+
+    def ranks(self) -> np.ndarray:
+        if isinstance(self.needers, tuple):
+            first, stride, count = self.needers
+            return np.arange(first, first + stride * count, stride, dtype=np.int64)
+        return self.needers
 
 
-def parts_of(rows: np.ndarray) -> list[Part]:
-    """A rank's parts from its rows of :func:`schedule`."""
-    return [Part(*row) for row in rows.tolist()]
+def rotated_chains(transfers: Sequence[Transfer], needers: Sequence[tuple[int, ...]],
+                   starts: dict[int, int]) -> list[RotatedChains]:
+    """``transfers`` grouped by their needers (``needers[i]``, ascending: the ranks of
+    ``transfers[i]``, whose chain starts at one of them and goes round the rest in
+    order), with :func:`plan_schedule`'s ``starts``. Raises PlanError for a chain that is
+    not such a rotation."""
+    by_needers: dict[tuple[int, ...], list[int]] = {}
+    for i, ranks in enumerate(needers):
+        by_needers.setdefault(ranks, []).append(i)
+    out = []
+    for ranks, members in by_needers.items():
+        heads = np.empty(len(members), dtype=np.int64)
+        for k, i in enumerate(members):
+            chain = transfers[i].chain
+            at = ranks.index(chain[0]) if chain and chain[0] in ranks else -1
+            if at < 0 or chain != ranks[at:] + ranks[:at]:
+                raise PlanError(f"transfer {transfers[i].tid}: chain {chain[:8]} is not a "
+                                f"rotation of its ranks {ranks[:8]}")
+            heads[k] = at
+        tids = np.fromiter((transfers[i].tid for i in members), dtype=np.int64,
+                           count=len(members))
+        begin = np.fromiter((starts.get(t, LOCAL) for t in tids.tolist()), dtype=np.int64,
+                            count=len(members))
+        out.append(RotatedChains(_compact(ranks), tids, begin, heads))
+    return out
+
+
+def _compact(ranks: tuple[int, ...]) -> np.ndarray | tuple[int, int, int]:
+    """Evenly spaced ranks as ``(first, stride, count)``, any others as an array."""
+    array = np.asarray(ranks, dtype=np.int64)
+    if len(array) == 1:
+        return (int(array[0]), 1, 1)
+    steps = np.diff(array)
+    if (steps == steps[0]).all():
+        return (int(array[0]), int(steps[0]), len(array))
+    return array
+
+
+def rotated_parts(groups: Sequence[RotatedChains], rank: int) -> np.ndarray:
+    """``rank``'s parts of every transfer of ``groups`` it takes part in, as rows (tid,
+    step, prev, next), in tid order: what the whole transfer list gives it
+    (:func:`own_parts`)."""
+    rows = []
+    for group in groups:
+        ranks = group.ranks()
+        i = int(np.searchsorted(ranks, rank))
+        if i == len(ranks) or ranks[i] != rank:
+            continue
+        length = len(ranks)
+        pos = (i - group.heads) % length
+        local = group.starts == LOCAL
+        step = np.where(local, LOCAL, group.starts + pos)
+        # a member of a transfer that moves nothing takes an empty sink from its head
+        prev = np.where(pos == 0, NONE,
+                        np.where(local, ranks[group.heads], ranks[(i - 1) % length]))
+        nxt = np.where(local | (pos == length - 1), NONE, ranks[(i + 1) % length])
+        rows.append(np.stack([group.tids, step, prev, nxt], axis=1))
+    if not rows:
+        return np.empty((0, 4), dtype=np.int64)
+    out = np.concatenate(rows)
+    return out[np.argsort(out[:, 0], kind="stable")]
 
 
 def own_parts(transfers: Sequence[Transfer], rank: int, piece_size: int,
               max_inflight: int) -> list[Part]:
     """``rank``'s parts, from the whole transfer list (what :meth:`ChainBroadcaster.run`
-    does on every rank; a coordinator that plans for all ranks uses :func:`schedule`)."""
+    does on every rank; a coordinator that plans for all ranks sends :class:`RotatedChains`)."""
     starts = plan_schedule(transfers, piece_size, max_inflight)
     out = []
     for t in sorted(transfers, key=lambda t: t.tid):

@@ -26,7 +26,15 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
-from .broadcast_schedule import Part, Transfer, needs_communication, schedule
+from .broadcast_schedule import (
+    Part,
+    RotatedChains,
+    Transfer,
+    plan_schedule,
+    rotated_chains,
+    rotated_parts,
+    validate,
+)
 from .checkpoint_id import servable
 from .chunk_cache import CachedChunkSource
 from .chunk_source import ChunkSource
@@ -55,19 +63,22 @@ class LocalReads(NamedTuple):
 
 
 class ReadChains(NamedTuple):
-    """One rank's part of the coordinator's read plan: only what this rank does.
+    """One rank's part of the coordinator's read plan: only what this rank takes part in.
 
-    ``parts`` holds int32 rows (chunk ordinal, step, predecessor, successor) of
-    :class:`~ckptturbo.broadcast_schedule.Part` (sizes come from the manifest), for the chunks this
-    rank reads from storage (it heads their chain) or receives; ``plan_id`` is the same on
-    every rank of the load; ``items_as_sent``: the plan's items were left out because the
-    rank already has them (its local plan, unchanged by the planner)."""
+    ``chains``: the transfers (chunk ordinals) of the chunks this rank reads from storage
+    (it heads their chain) or receives, with their start steps, grouped by the ranks that
+    need them (one object shared by every rank of such a group), from which ``rank``
+    computes its own :class:`~ckptturbo.broadcast_schedule.Part` of each (sizes come from
+    the manifest); ``plan_id`` is the same on every rank of the load; ``items_as_sent``:
+    the plan's items were left out because the rank already has them (its local plan,
+    unchanged by the planner)."""
 
     plan_id: int | None
     piece_size: int
     max_inflight: int
     items_as_sent: bool
-    parts: bytes
+    rank: int
+    chains: tuple[RotatedChains, ...]
 
 
 class TurboReader(StorageReader):
@@ -299,16 +310,20 @@ class TurboReader(StorageReader):
                  for c, r in zip(chunk[firsts].tolist(), needers, strict=True)]
         assignments = plan_reads(needs, len(plans))
         transfers = [Transfer(ordinal[a.chunk], a.nbytes, a.chain) for a in assignments]
+        validate(transfers, len(plans))
         settings = ChainSettings(self.piece_size)
-        rows = schedule(transfers, settings.piece_size, settings.max_inflight, len(plans))
-        chained = any(needs_communication(t) for t in transfers)
+        starts = plan_schedule(transfers, settings.piece_size, settings.max_inflight)
+        ranks_of = {n.chunk: n.ranks for n in needs}
+        groups = rotated_chains(transfers, [ranks_of[a.chunk] for a in assignments], starts)
+        chained = bool(starts)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
         out = []
-        for plan, mine in zip(plans, rows, strict=True):  # schedule gives one row per rank
+        for member, (plan, mine) in enumerate(zip(plans, _groups_of_ranks(groups, len(plans)),
+                                                  strict=True)):
             as_sent = (isinstance(plan.storage_data, LocalReads)
                        and plan.items is plan.storage_data.items)
-            wire = np.ascontiguousarray(mine[:, [0, 2, 3, 4]], dtype=np.int32).tobytes()
-            chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent, wire)
+            chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent,
+                                member, mine)
             out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items,
                                            storage_data=chains))
         return out
@@ -390,7 +405,7 @@ class TurboReader(StorageReader):
     def chain_batch(self, chains: ReadChains) -> RankBatch:
         """This rank's parts of the read plan, as the read-once engine takes them."""
         ids = list(self._chunk_sizes)
-        rows = np.frombuffer(chains.parts, dtype=np.int32).reshape(-1, 4).tolist()
+        rows = rotated_parts(chains.chains, chains.rank).tolist()
         parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt)
                  for tid, step, prev, nxt in rows]
         return RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
@@ -427,6 +442,17 @@ class TurboReader(StorageReader):
         finally:
             engine.close(timeout=self.timeout)
             copier.close()
+
+
+def _groups_of_ranks(groups: list[RotatedChains], world: int) -> list[tuple[RotatedChains, ...]]:
+    """Each rank's groups of transfers, one tuple shared by the ranks that are in the same
+    groups (every rank of a DDP job; the replicas of an HSDP shard)."""
+    member_of: list[list[int]] = [[] for _ in range(world)]
+    for g, group in enumerate(groups):
+        for rank in group.ranks().tolist():
+            member_of[rank].append(g)
+    shared: dict[tuple[int, ...], tuple[RotatedChains, ...]] = {}
+    return [shared.setdefault(tuple(gs), tuple(groups[g] for g in gs)) for gs in member_of]
 
 
 def own_items(plan: LoadPlan) -> list[ReadItem]:

@@ -21,9 +21,9 @@ from ckptturbo.broadcast_schedule import (
     needs_communication,
     npieces,
     own_parts,
-    parts_of,
     plan_schedule,
-    schedule,
+    rotated_chains,
+    rotated_parts,
 )
 from ckptturbo.errors import CommunicationError, IntegrityError, PlanError
 from ckptturbo.testing.launcher import RankFailure, run_distributed
@@ -287,27 +287,40 @@ def test_schedule_pipelines_a_chain_and_bounds_buffers() -> None:
             assert max(live.values(), default=0) <= max_inflight
 
 
-def test_coordinator_schedule_gives_each_rank_exactly_its_own_parts() -> None:
-    """schedule() (once, for every rank) and own_parts() (one rank, from the whole list)
-    agree part for part; a rank's parts name only its neighbours in each chain."""
-    transfers = random_transfers(5, 120, seed=3)
+def _rotations(world: int, count: int, seed: int) -> tuple[list[Transfer], list[tuple]]:
+    """Transfers as the read plan makes them: each chunk's needers (ascending; some all
+    ranks, some evenly spaced, some any), its chain starting at one of them and going
+    round the rest; sizes with 0 and 1 byte (transfers that move nothing)."""
+    rng = random.Random(seed)
+    sets = [tuple(range(world)), tuple(range(1, world, 2)), (2,),
+            tuple(sorted(rng.sample(range(world), 3)))]
+    sizes = [0, 1, PIECE - 1, PIECE, 5 * PIECE + 3]
+    transfers, needers = [], []
+    for tid in range(count):
+        ranks = sets[rng.randrange(len(sets))]
+        at = rng.randrange(len(ranks))
+        transfers.append(Transfer(3 * tid + 5, sizes[tid % len(sizes)], ranks[at:] + ranks[:at]))
+        needers.append(ranks)
+    return transfers, needers
+
+
+def test_each_rank_computes_exactly_its_own_parts_from_the_shared_groups() -> None:
+    """rotated_chains (once, on a coordinator) and rotated_parts (each rank, from its
+    groups) give every rank the parts own_parts finds in the whole list, part for part;
+    evenly spaced needers travel as three numbers; a chain that is not a rotation of its
+    needers is refused."""
+    transfers, needers = _rotations(7, 90, seed=4)
     for max_inflight in (1, 4):
-        rows = schedule(transfers, PIECE, max_inflight, 5)
-        assert len(rows) == 5
-        for rank in range(5):
-            parts = parts_of(rows[rank])
-            assert parts == own_parts(transfers, rank, PIECE, max_inflight)
-            assert [p.tid for p in parts] == sorted(t.tid for t in transfers if rank in t.chain)
-            by_tid = {t.tid: t for t in transfers}
-            for p in parts:
-                chain = by_tid[p.tid].chain
-                pos = chain.index(rank)
-                assert p.is_head == (pos == 0)
-                if needs_communication(by_tid[p.tid]):
-                    assert p.prev == (chain[pos - 1] if pos else -1)
-                    assert p.next == (chain[pos + 1] if pos + 1 < len(chain) else -1)
-                else:
-                    assert p.step == -1 and p.next == -1
+        starts = plan_schedule(transfers, PIECE, max_inflight)
+        groups = rotated_chains(transfers, needers, starts)
+        assert {(0, 1, 7), (1, 2, 3), (2, 1, 1)} <= \
+            {g.needers for g in groups if isinstance(g.needers, tuple)}
+        for rank in range(7):
+            rows = rotated_parts(groups, rank).tolist()
+            assert rows == [[p.tid, p.step, p.prev, p.next]
+                            for p in own_parts(transfers, rank, PIECE, max_inflight)]
+    with pytest.raises(PlanError, match="not a rotation"):
+        rotated_chains([Transfer(1, 10, (0, 2, 1))], [(0, 1, 2)], {})
 
 
 def _heap_schedule(transfers: list[Transfer], max_inflight: int) -> dict[int, int]:
