@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -107,8 +108,12 @@ class TurboCheckpointIO(TorchCheckpointIO):
         return self._session
 
     def _options(self, extra: Any = None) -> dict[str, Any] | None:
+        """The plugin's fsspec options with a call's ``storage_options`` over them."""
         if not extra:
             return self.storage_options
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"storage_options must be a mapping of fsspec options (endpoint, "
+                            f"keys, ...), got {type(extra).__name__} {extra!r:.60}")
         return {**(self.storage_options or {}), **dict(extra)}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -123,8 +128,9 @@ class TurboCheckpointIO(TorchCheckpointIO):
         url = str(path)
         with ckptturbo_errors("saving", url):
             self._raise_failed()
+            options = self._options(storage_options)
             reserved = _reserve(url)
-            handle = save_tree(checkpoint, url, storage_options=self._options(storage_options),
+            handle = save_tree(checkpoint, url, storage_options=options,
                                collective=False, session=self.session,
                                store=chunk_store(self.store), tiers=self.tiers,
                                **self.writer_options)
