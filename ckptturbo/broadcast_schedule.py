@@ -177,7 +177,7 @@ def rotated_chains(transfers: Sequence[Transfer], needers: Sequence[tuple[int, .
         by_needers.setdefault(ranks, []).append(i)
     out = []
     for ranks, members in by_needers.items():
-        heads = np.empty(len(members), dtype=np.int64)
+        heads = np.empty(len(members), dtype=np.int32)  # int32: the arrays travel to ranks
         for k, i in enumerate(members):
             chain = transfers[i].chain
             at = ranks.index(chain[0]) if chain and chain[0] in ranks else -1
@@ -185,9 +185,9 @@ def rotated_chains(transfers: Sequence[Transfer], needers: Sequence[tuple[int, .
                 raise PlanError(f"transfer {transfers[i].tid}: chain {chain[:8]} is not a "
                                 f"rotation of its ranks {ranks[:8]}")
             heads[k] = at
-        tids = np.fromiter((transfers[i].tid for i in members), dtype=np.int64,
+        tids = np.fromiter((transfers[i].tid for i in members), dtype=np.int32,
                            count=len(members))
-        begin = np.fromiter((starts.get(t, LOCAL) for t in tids.tolist()), dtype=np.int64,
+        begin = np.fromiter((starts.get(t, LOCAL) for t in tids.tolist()), dtype=np.int32,
                             count=len(members))
         out.append(RotatedChains(_compact(ranks), tids, begin, heads))
     return out
@@ -201,7 +201,7 @@ def _compact(ranks: tuple[int, ...]) -> np.ndarray | tuple[int, int, int]:
     steps = np.diff(array)
     if (steps == steps[0]).all():
         return (int(array[0]), int(steps[0]), len(array))
-    return array
+    return array.astype(np.int32)
 
 
 def rotated_parts(groups: Sequence[RotatedChains], rank: int) -> np.ndarray:
@@ -217,12 +217,12 @@ def rotated_parts(groups: Sequence[RotatedChains], rank: int) -> np.ndarray:
         length = len(ranks)
         pos = (i - group.heads) % length
         local = group.starts == LOCAL
-        step = np.where(local, LOCAL, group.starts + pos)
+        step = np.where(local, LOCAL, group.starts.astype(np.int64) + pos)
         # a member of a transfer that moves nothing takes an empty sink from its head
         prev = np.where(pos == 0, NONE,
                         np.where(local, ranks[group.heads], ranks[(i - 1) % length]))
         nxt = np.where(local | (pos == length - 1), NONE, ranks[(i + 1) % length])
-        rows.append(np.stack([group.tids, step, prev, nxt], axis=1))
+        rows.append(np.stack([group.tids.astype(np.int64), step, prev, nxt], axis=1))
     if not rows:
         return np.empty((0, 4), dtype=np.int64)
     out = np.concatenate(rows)
