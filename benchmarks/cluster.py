@@ -295,16 +295,17 @@ def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) ->
         # the node's workers need the unique bytes once at least, whatever their number
         res.limits[name] = topo.stream_limit(cluster.profile, weight_bytes)
         res.floors[name] = FLOOR
-        _vllm_engines(res, report, args, name, python,
+        _vllm_engines(res, report, args, name, python, weight_bytes,
                       {way: (argv + ["--tp", str(tp)], dict(env, TMPDIR=scratch))
                        for way, (argv, env) in ways.items()})
 
 
 def _vllm_engines(res: Results, report: Report, args: Any, name: str, python: str,
-                  ways: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+                  weight_bytes: int, ways: dict[str, tuple[list[str], dict[str, str]]]) -> None:
     """One scenario: every way's warm engine process, the repetitions alternating between
     the ways; a way that cannot run is noted with its reason (its vLLM log beside the
-    report), not measured."""
+    report), not measured. What the store's link sent during each weights phase is set
+    beside the weights' bytes: how many times the node's workers read them."""
     from . import ray_vllm
 
     logs = {way: os.path.join(args.out, f"vllm-{name.split()[-1].replace('/', '-')}-"
@@ -323,7 +324,9 @@ def _vllm_engines(res: Results, report: Report, args: Any, name: str, python: st
                     continue
                 # the weights phase's own window (the workers' clock is now()'s): the cores,
                 # the link and the requests in flight while it ran, not while vLLM started
-                res.add(name, way, {"seconds": result["weights_s"], "window": result["window"]},
+                window = result["window"]
+                res.add(name, way, {"seconds": result["weights_s"], "window": window,
+                                    "link_bytes": res.cores.counted("store_out", *window)},
                         "store_out")
                 log.info("  %-22s %s rep %d: weights phase %.2f s", way, name.split()[-1], rep,
                          result["weights_s"])
@@ -332,6 +335,12 @@ def _vllm_engines(res: Results, report: Report, args: Any, name: str, python: st
             w.close()
     for way, why in missing.items():
         report.note(f"{name}: {way} not measured: {why}")
+    for way in (CT, "runai_streamer"):
+        sent = [s["link_bytes"] for s in res.samples.get((name, way), [])]
+        if sent:
+            report.compare(f"{name}: bytes the store's link sent, {way}", max(sent),
+                           weight_bytes, "bytes", peer_name="the weights' bytes",
+                           note="link counters: TCP/IP and HTTP headers included")
     floor = res.median(name, FLOOR)
     ours, theirs = res.median(name, CT), res.median(name, "runai_streamer")
     if floor is not None and ours is not None and theirs is not None and theirs > floor:
