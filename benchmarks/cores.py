@@ -154,7 +154,7 @@ class CoreSampler:
     def counted(self, name: str, start: float, end: float) -> float:
         """What counter ``name`` counted over the samples that enclose [start, end]: the
         bytes a link carried during a measurement whose own process cannot count them (NaN
-        if the counter was not watched over the whole window)."""
+        if the counter was not watched at both ends of the window)."""
         self._sample()
         with self._lock:
             i, j = self._window(start, end)
