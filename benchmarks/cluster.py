@@ -3,6 +3,7 @@ ratio to its physical limit and to the peers, measured on the same topology in o
 
     python -m benchmarks.run cluster [--size-mb 64] [--reps 5] [--nodes 4]
                                      [--parts ddp,growth,recovery,stream] [--scale 0.0025]
+                                     [--vllm-tp 1,2]
 
 Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topology``):
 ``--nodes`` nodes of 2 ranks, each a namespace whose link is shaped to the node's fabric
@@ -16,8 +17,9 @@ growth    ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes
 recovery  sharded state with memory tiers: node 1 lost, recovered from its peers' memory,
           vs ckptturbo's load of the same checkpoint from the durable store
 stream    ct.stream_safetensors vs Run:ai Model Streamer, one process on node 0
-vllm      (on request, not in the default) vLLM's weights phase on node 0 with
-          load_format="ckptturbo" vs "runai_streamer", the construction ("dummy") apart
+vllm      (on request, not in the default) vLLM's weights phase on node 0 at each
+          tensor-parallel size of --vllm-tp (default 1,2) with load_format="ckptturbo" vs
+          "runai_streamer", the construction ("dummy") apart
 
 Every sample's cores' utilisation is measured (/proc/stat, the whole machine, and the
 benchmark's own process tree); a result is valid only when every sample behind it was
@@ -259,9 +261,10 @@ def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) 
 
 
 def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
-    """vLLM's weights phase (``load_model``) on node 0, tensor-parallel 1, in warm engine
-    processes (benchmarks.ray_vllm's): ``load_format="ckptturbo"`` vs ``runai_streamer``,
-    and ``dummy`` (builds the model, reads nothing): the construction, reported apart."""
+    """vLLM's weights phase (``load_model``) on node 0 at each tensor-parallel size of
+    ``--vllm-tp``, in warm engine processes (benchmarks.ray_vllm's): ``load_format=
+    "ckptturbo"`` vs ``runai_streamer``, and ``dummy`` (builds the model, reads nothing):
+    the construction, reported apart. Each engine's workers all run on node 0."""
     from . import ray_vllm
 
     store = cluster.store
@@ -283,27 +286,61 @@ def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) ->
             FLOOR: ([config_only, "dummy", "{}", ""], {})}
     python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
                                                sys.executable)
-    name = "vLLM weights phase TP1/1n"
-    res.limits[name] = topo.stream_limit(cluster.profile, weight_bytes)
-    res.floors[name] = FLOOR
-    workers = {}
+    # vLLM names its IPC sockets and rendezvous files for the temp dir and leaves them there
+    scratch = os.path.join(cluster.scratch, "vllm-tmp")
+    os.makedirs(scratch)
+    os.makedirs(args.out, exist_ok=True)  # each engine's vLLM log goes there
+    for tp in (int(t) for t in args.vllm_tp.split(",") if t):
+        name = f"vLLM weights phase TP{tp}/1n"
+        # the node's workers need the unique bytes once at least, whatever their number
+        res.limits[name] = topo.stream_limit(cluster.profile, weight_bytes)
+        res.floors[name] = FLOOR
+        _vllm_engines(res, report, args, name, python, weight_bytes,
+                      {way: (argv + ["--tp", str(tp)], dict(env, TMPDIR=scratch))
+                       for way, (argv, env) in ways.items()})
+
+
+def _vllm_engines(res: Results, report: Report, args: Any, name: str, python: str,
+                  weight_bytes: int, ways: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """One scenario: every way's warm engine process, the repetitions alternating between
+    the ways; a way that cannot run is noted with its reason (its vLLM log beside the
+    report), not measured. What the store's link sent during each weights phase is set
+    beside the weights' bytes: how many times the node's workers read them."""
+    from . import ray_vllm
+
+    logs = {way: os.path.join(args.out, f"vllm-{name.split()[-1].replace('/', '-')}-"
+                                        f"{way.split()[0]}.log") for way in ways}
+    workers: dict[str, Any] = {}
+    missing: dict[str, str] = {}
     try:
         for way, (argv, env) in ways.items():
-            workers[way] = ray_vllm._EngineWorker(argv, python, env)
+            workers[way] = ray_vllm._EngineWorker(argv, python, env, logs[way])
         for rep in range(args.reps):
             for way in (list(ways) if rep % 2 == 0 else list(ways)[::-1]):
-                t0 = now()
                 result = workers[way].run()
-                t1 = now()
                 if "weights_s" not in result:
-                    report.note(f"vLLM {way} not measured: {result.get('unavailable', result)}")
+                    missing.setdefault(way, f"{result.get('unavailable', result)} (vLLM's log: "
+                                            f"{logs[way]})")
                     continue
-                res.add(name, way, {"seconds": result["weights_s"], "window": [t0, t1]},
+                # the weights phase's own window (the workers' clock is now()'s): the cores,
+                # the link and the requests in flight while it ran, not while vLLM started
+                window = result["window"]
+                res.add(name, way, {"seconds": result["weights_s"], "window": window,
+                                    "link_bytes": res.cores.counted("store_out", *window)},
                         "store_out")
-                log.info("  %-22s rep %d: weights phase %.2f s", way, rep, result["weights_s"])
+                log.info("  %-22s %s rep %d: weights phase %.2f s", way, name.split()[-1], rep,
+                         result["weights_s"])
     finally:
         for w in workers.values():
             w.close()
+    for way, why in missing.items():
+        report.note(f"{name}: {way} not measured: {why}")
+    for way in (CT, "runai_streamer"):
+        sent = [s["link_bytes"] for s in res.samples.get((name, way), [])]
+        if sent:
+            report.compare(f"{name}: bytes the store's link sent, {way}", max(sent),
+                           weight_bytes, "bytes", peer_name="the weights' bytes",
+                           note="link counters: TCP/IP and HTTP headers included")
     floor = res.median(name, FLOOR)
     ours, theirs = res.median(name, CT), res.median(name, "runai_streamer")
     if floor is not None and ours is not None and theirs is not None and theirs > floor:
@@ -312,8 +349,9 @@ def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) ->
 
 
 # --------------------------------------------------------------------------- the report
+# the vLLM target is about tensor-parallel 2, where every Run:ai worker reads the whole model
 PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05,
-                "vLLM weights phase": 0.6}
+                "vLLM weights phase TP2": 0.6}
 
 
 class ClusterReport(Report):
@@ -450,7 +488,8 @@ def scenario(args: Any) -> Report:
     if args.conn_mbps:  # the per-connection cap in the miniature, instead of the profile's
         profile = replace(profile, conn_scale=args.conn_mbps * topo.MB / profile.conn)
     report = ClusterReport({"size_mb": args.size_mb, "reps": args.reps, "nodes": args.nodes,
-                            "parts": parts, "profile": profile.describe()})
+                            "parts": parts, "vllm_tp": args.vllm_tp,
+                            "profile": profile.describe()})
     why = netns.available()
     if why:
         report.check(f"the cluster could be built ({why})", False)

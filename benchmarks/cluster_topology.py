@@ -266,5 +266,7 @@ def recovery_limit(p: Profile, lost_bytes: int) -> Limit:
 
 
 def stream_limit(p: Profile, unique: int) -> Limit:
-    """One process on one node reads the model once over the node's store share."""
+    """One node reads the model once over the node's store share: one process, or the
+    tensor-parallel workers of one vLLM engine, which need its unique bytes once at least
+    however many of them read."""
     return slowest(("node <- store share", unique, p.store_rate))

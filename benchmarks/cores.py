@@ -151,6 +151,16 @@ class CoreSampler:
         done = next(t for t, v in series if v - first >= share * (final - first))
         return max(0.0, min(done, end) - start)
 
+    def counted(self, name: str, start: float, end: float) -> float:
+        """What counter ``name`` counted over the samples that enclose [start, end]: the
+        bytes a link carried during a measurement whose own process cannot count them (NaN
+        if the counter was not watched at both ends of the window)."""
+        self._sample()
+        with self._lock:
+            i, j = self._window(start, end)
+            first, last = self._bytes[i].get(name), self._bytes[j].get(name)
+        return float("nan") if first is None or last is None else float(last - first)
+
     def mean(self, name: str, start: float, end: float) -> float:
         """The mean of gauge ``name`` over the samples taken in [start, end] (NaN if none)."""
         with self._lock:

@@ -135,55 +135,66 @@ def bench_ray(server: Any, out: str, width: int, steps: int, every: int,
 
 # --------------------------------------------------------------------------- vLLM
 
-def engine_server(model: str, load_format: str, extra: str, download: str) -> None:
-    """A warm vLLM process: builds one engine per line read from stdin (after one
-    unmeasured engine) and prints the weights phase of each. With ``download`` (a JSON
-    ``[url, storage_options]``) each repetition first downloads the files into ``model``."""
+def _tp_environment(tp: int) -> None:
+    """vLLM's settings for ``tp`` workers on this machine's CPUs, unless given: at
+    tensor-parallel > 1 the engine core and each worker run in processes of their own, and
+    on fewer than 4 cores vLLM will not bind 2 workers to one NUMA node by itself, so each
+    worker gets a core of its own by hand."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    cores = os.cpu_count() or 1
+    if tp > 1 and cores < 4:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(rank % cores) for rank in range(tp)))
+
+
+def engine_server(model: str, load_format: str, extra: str, download: str, tp: int = 1) -> None:
+    """A warm vLLM process: builds one engine of ``tp`` tensor-parallel workers per line
+    read from stdin (after one unmeasured engine) and prints the weights phase of each.
+    With ``download`` (a JSON ``[url, storage_options]``) each repetition first downloads
+    the files into ``model``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _tp_environment(tp)
     import gc
+    import glob
     import resource
     import shutil
 
     import fsspec
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    load_seconds: list[float] = []
-    original = BaseModelLoader.load_model
+    from benchmarks.vllm_timed_worker import TIMED_WORKER
 
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:  # the weights phase alone
-        t0 = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            load_seconds.append(time.perf_counter() - t0)
-
-    BaseModelLoader.load_model = timed
     source = json.loads(download) if download else None
     fs = fsspec.filesystem("s3", **source[1]) if source else None
 
     def once() -> dict[str, Any]:
-        fetched = 0.0
+        fetched, t0 = 0.0, time.perf_counter()
         if source:
             shutil.rmtree(model, ignore_errors=True)
-            t0 = time.perf_counter()
             fs.get(f"{source[0]}/", model + "/", recursive=True)
             fetched = time.perf_counter() - t0  # the bucket holds the config files too
-        del load_seconds[:]
         began = time.perf_counter()
         llm = LLM(model=model, skip_tokenizer_init=True, load_format=load_format,
                   model_loader_extra_config=json.loads(extra), dtype="float32", enforce_eager=True,
-                  max_model_len=128, max_num_seqs=2, seed=0)
+                  max_model_len=128, max_num_seqs=2, seed=0, tensor_parallel_size=tp,
+                  distributed_executor_backend="mp" if tp > 1 else None, worker_cls=TIMED_WORKER)
         init = time.perf_counter() - began
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                            SamplingParams(max_tokens=4, temperature=0.0, detokenize=False),
                            use_tqdm=False)
         tokens = list(out[0].outputs[0].token_ids)
+        workers = llm.collective_rpc("timed_load")
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-        return {"weights_s": sum(load_seconds) + fetched, "load_model_s": sum(load_seconds),
+        for ident in {w["ident"] for w in workers if w["ident"]}:
+            for segment in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
+                os.unlink(segment)
+        spans = [w["span"] for w in workers]
+        start, end = min(s for s, _ in spans), max(e for _, e in spans)
+        return {"weights_s": end - start + fetched, "load_model_s": end - start,
+                # on measure.now()'s clock; from the download's start where there is one
+                "window": [t0 if source else start, end],
                 "download_s": fetched, "init_s": init + fetched, "tokens": tokens,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -283,14 +294,19 @@ def bench_vllm(server: Any, out: str, hidden: int, layers: int, latency_ms: floa
 
 
 class _EngineWorker(Worker):
-    """A warm vLLM engine process (see :func:`engine_server`)."""
+    """A warm vLLM engine process (see :func:`engine_server`); vLLM's log, sent to stderr
+    (stdout carries the results), goes to ``log`` when given: why an engine could not
+    start is there, beyond the one line its result carries."""
 
-    def __init__(self, argv: list[str], python: str, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], python: str, env: dict[str, str],
+                 log: str | None = None) -> None:
         self.unavailable = None
-        self.proc = subprocess.Popen([python, "-m", "benchmarks.ray_vllm", "engine", *argv],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-                                     env=dict(os.environ, PYTHONPATH=REPO, **env))
+        with open(log or os.devnull, "w") as stderr:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([python, "-m", "benchmarks.ray_vllm", "engine", *argv],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=stderr, text=True, cwd=REPO,
+                                         env=dict(os.environ, PYTHONPATH=REPO, **env,
+                                                  VLLM_LOGGING_STREAM="ext://sys.stderr"))
         line = self._line()
         if line is None or not line.startswith("READY"):
             self.unavailable = (json.loads(line[len("RESULT "):]).get("unavailable", line)
@@ -321,9 +337,10 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("load_format")
     e.add_argument("extra")
     e.add_argument("download")
+    e.add_argument("--tp", type=int, default=1, help="tensor-parallel workers of each engine")
     args = parser.parse_args(argv)
     if args.what == "engine":
-        engine_server(args.model, args.load_format, args.extra, args.download)
+        engine_server(args.model, args.load_format, args.extra, args.download, args.tp)
         return
     from ckptturbo.testing import embedded_s3
 

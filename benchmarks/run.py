@@ -113,6 +113,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=4, help="cluster: nodes of 2 ranks each")
     p.add_argument("--parts", default=None,
                    help="cluster: comma-separated parts (default ddp,growth,recovery,stream)")
+    p.add_argument("--vllm-tp", default="1,2",
+                   help="cluster: tensor-parallel sizes of part vllm, comma-separated (each a "
+                        "scenario of its own; default 1,2)")
     p.add_argument("--scale", type=float, default=None,
                    help="cluster: factor on the profile's link rates (default 1/400; the "
                         "per-connection cap gets 10x it)")
