@@ -72,10 +72,12 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
 def test_an_interrupted_run_leaves_nothing_behind(tmp_path):
     """Ctrl-C once the cluster is up and ranks are running: namespaces, links, the store's
     processes and the ranks are all gone afterwards."""
+    # more repetitions than it can finish before the interrupt, every line as it is written
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.run", "cluster", "--size-mb", "4", "--reps", "3",
+        [sys.executable, "-m", "benchmarks.run", "cluster", "--size-mb", "4", "--reps", "50",
          "--nodes", "2", "--parts", "ddp", "--out", str(tmp_path), "--workdir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
     deadline = time.monotonic() + 150
     try:
