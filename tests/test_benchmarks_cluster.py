@@ -72,10 +72,15 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
 def test_an_interrupted_run_leaves_nothing_behind(tmp_path):
     """Ctrl-C once the cluster is up and ranks are running: namespaces, links, the store's
     processes and the ranks are all gone afterwards."""
-    # a session of its own: a run that fails the test is killed whole, ranks and store too,
-    # not left to load the machine under the tests after it
+    # Ctrl-C as a terminal delivers it, whatever the test runner's own disposition: one started
+    # in the background ignores SIGINT, and a Python child that inherits that never raises
+    # KeyboardInterrupt. A session of its own: a run that fails the test is killed whole,
+    # ranks and store too, not left to load the machine under the tests after it.
+    interruptible = ("import runpy, signal\n"
+                     "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                     "runpy.run_module('benchmarks.run', run_name='__main__', alter_sys=True)")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.run", "cluster", "--size-mb", "4", "--reps", "3",
+        [sys.executable, "-c", interruptible, "cluster", "--size-mb", "4", "--reps", "3",
          "--nodes", "2", "--parts", "ddp", "--out", str(tmp_path), "--workdir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
