@@ -30,6 +30,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from .chunk_store import ObjectInfo, default_opener
+from .chunks import batched
 from .errors import CheckpointNotFound, CkptTurboError, ShortReadError, StorageError
 from .retry import RetryPolicy, is_past_the_end
 from .urls import options_key
@@ -50,6 +51,11 @@ class IOPools(Protocol):
 TEMP_PREFIX = ".tmp-"
 _BULK_DELETE = 1000  # S3's most keys in one DeleteObjects request
 _LOCAL_DELETES_PER_TASK = 256
+
+
+def _one(path: str) -> int:
+    """A path's weight when paths are cut into batches of a number of them."""
+    return 1
 
 # Every chunk is BLAKE3-verified end to end, so botocore's own CRC32 of each body is
 # redundant CPU work on both sides; it is computed only where S3 requires it. Retries are
@@ -419,15 +425,34 @@ class Store:
         paths = list(paths)
         if not paths:
             return
-        if self.protocol in ("s3", "s3a") and hasattr(self.fs, "_bulk_delete"):
-            batches = [paths[i:i + _BULK_DELETE] for i in range(0, len(paths), _BULK_DELETE)]
-            self.map(lambda batch: self.policy.call(
-                "delete", f"{batch[0]} (and {len(batch) - 1} more)",
-                lambda: self._request("bulk_delete", batch)), batches)
+        if self.protocol in ("s3", "s3a"):
+            self.map(self._delete_objects, batched(paths, _one, _BULK_DELETE))
             return
         per_task = _LOCAL_DELETES_PER_TASK if self.is_local else 1  # a remote one: a request
-        self.map(self._delete_each, [paths[i:i + per_task]
-                                     for i in range(0, len(paths), per_task)])
+        self.map(self._delete_each, batched(paths, _one, per_task))
+
+    def _delete_objects(self, paths: list[str]) -> None:
+        """One DeleteObjects request per bucket for these paths. A key S3 could not delete
+        (it answers per key, in a request that succeeded) fails the call as StorageError,
+        naming the key, S3's code and message; the request as a whole is retried as any."""
+        by_bucket: dict[str, list[str]] = {}
+        for p in paths:
+            by_bucket.setdefault(self.fs.split_path(p)[0], []).append(p)
+        for bucket, mine in by_bucket.items():
+            def request(bucket: str = bucket, mine: list[str] = mine) -> None:
+                keys = [{"Key": self.fs.split_path(p)[1]} for p in mine]
+                answer = self._request("call_s3", "delete_objects", Bucket=bucket,
+                                       Delete={"Objects": keys, "Quiet": True})
+                for p in mine:
+                    self.fs.invalidate_cache(p)
+                errors = answer.get("Errors") or []
+                if errors:
+                    first = errors[0]
+                    raise StorageError(
+                        f"delete: {self.url_of(bucket + '/' + first.get('Key', ''))} was not "
+                        f"deleted ({first.get('Code')}: {first.get('Message')}; "
+                        f"{len(errors)} of {len(mine)} keys of the request failed)")
+            self.policy.call("delete", f"{mine[0]} (and {len(mine) - 1} more)", request)
 
     def _delete_each(self, paths: list[str]) -> None:
         """Delete paths one by one, each attempted; the first failure is raised after."""
