@@ -180,7 +180,10 @@ def rotated_chains(transfers: Sequence[Transfer], needers: Sequence[tuple[int, .
         heads = np.empty(len(members), dtype=np.int32)  # int32: the arrays travel to ranks
         for k, i in enumerate(members):
             chain = transfers[i].chain
-            at = ranks.index(chain[0]) if chain and chain[0] in ranks else -1
+            try:
+                at = ranks.index(chain[0])
+            except (IndexError, ValueError):  # an empty chain, or a head not among its ranks
+                at = -1
             if at < 0 or chain != ranks[at:] + ranks[:at]:
                 raise PlanError(f"transfer {transfers[i].tid}: chain {chain[:8]} is not a "
                                 f"rotation of its ranks {ranks[:8]}")

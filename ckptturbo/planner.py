@@ -41,7 +41,7 @@ from .plan.digests import (
     plan_digest,
     ranks_by_digest,
 )
-from .plan.flatten import flatten
+from .plan.flatten import Flattened, flatten
 from .plan.local import local_load_plan, local_save_plan, materialise_meta
 
 
@@ -67,8 +67,7 @@ class TurboSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
         """DCP's, with both of its walks made in one (``plan.flatten``) where they can."""
-        flat = flatten(state_dict) if self.flatten_state_dict and \
-            self.flatten_sharded_tensors else None
+        flat = _one_walk(self, state_dict)
         if flat is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
             return
@@ -135,8 +134,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         walks made in one (``plan.flatten``) where they can (DCP's set-up then finds
         nothing left to materialise)."""
         materialise_meta(state_dict, _materialised)
-        flat = flatten(state_dict) if self.flatten_state_dict and \
-            self.flatten_sharded_tensors else None
+        flat = _one_walk(self, state_dict)
         if flat is None:
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
@@ -179,6 +177,14 @@ class TurboLoadPlanner(DefaultLoadPlanner):
                                      "this planner made a local plan")
             return dataclasses.replace(new_plan, items=self._local.items)
         return new_plan
+
+
+def _one_walk(planner: Any, state_dict: Any) -> Flattened | None:
+    """``plan.flatten``'s one walk where the planner flattens as DCP's defaults do (both
+    of DCP's walks on), else None: DCP's set-up runs."""
+    if planner.flatten_state_dict and planner.flatten_sharded_tensors:
+        return flatten(state_dict)
+    return None
 
 
 def _materialised(tensor: Any) -> Any:
