@@ -2,7 +2,8 @@
 ratio to its physical limit and to the peers, measured on the same topology in one run.
 
     python -m benchmarks.run cluster [--size-mb 64] [--reps 5] [--nodes 4]
-                                     [--parts ddp,growth,recovery,stream] [--scale 0.0025]
+                                     [--parts probe,ddp,growth,recovery,stream]
+                                     [--scale 0.0025]
                                      [--vllm-tp 1,2]
 
 Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topology``):
@@ -10,6 +11,12 @@ Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topo
 rate with a share for the object store; SeaweedFS and the fault proxy (first-byte latency,
 per-connection cap) in a namespace of their own behind the store's link. Parts:
 
+probe     the link probe (benchmarks.cluster_probe): raw parallel boto3 PUTs and GETs of
+          the DDP save's bytes in 1 MiB objects from every node at once, no checkpoint
+          logic: what the store's link attains (its time / limit, the link efficiency),
+          then the same requests from the store's namespace (no tc): through the proxy,
+          and straight to SeaweedFS. Each save and load is also read against the
+          attainable time (its limit times the probe's time / limit)
 ddp       8 ranks over 4 nodes hold the same state (DDP): save, then every rank loads the
           whole state; ckptturbo vs DCP's FsspecWriter/Reader vs s3torchconnector's DCP
           writer/reader, alternating, one unmeasured round first
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -43,6 +51,7 @@ from ckptturbo.testing import netns
 from ckptturbo.testing.launcher import run_distributed
 
 from . import cluster_jobs, stream_s3, tiers_recovery
+from . import cluster_probe as probe
 from . import cluster_topology as topo
 from .cluster_jobs import CT, DCP_FSSPEC, S3TORCH
 from .cores import BUSY_LIMIT, CoreSampler
@@ -52,20 +61,21 @@ from .s3_peers import peer_available
 from .states import MiB
 
 log = logging.getLogger("benchmarks")
-PARTS = ("ddp", "growth", "recovery", "stream")  # the default; "vllm" on request
+PARTS = ("probe", "ddp", "growth", "recovery", "stream")  # the default; "vllm" on request
 RUNAI = "Run:ai"
 FLOOR = "construction (dummy)"  # vLLM's load_format="dummy": builds the model, reads nothing
 
 
 class Results:
     """Samples by (scenario, side), each with its time, window and cores' busy fraction,
-    and each scenario's physical limit."""
+    each scenario's physical limit and the store link (direction) that carries its bulk."""
 
     def __init__(self, cores: CoreSampler) -> None:
         self.cores = cores
         self.samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.limits: dict[str, topo.Limit] = {}
         self.floors: dict[str, str] = {}  # scenario -> the side that is its construction
+        self.links: dict[str, str] = {}  # scenario -> the watched counter of its bulk
 
     def add(self, scenario: str, side: str, sample: dict[str, Any],
             link: str | None = None) -> None:
@@ -77,6 +87,7 @@ class Results:
                       own=self.cores.own(*sample["window"]))
         if link is not None:
             sample["link_s"] = self.cores.bulk_done(link, *sample["window"])
+            self.links[scenario] = link
         sample["in_flight"] = self.cores.mean("in_flight", *sample["window"])
         self.samples.setdefault((scenario, side), []).append(sample)
 
@@ -88,6 +99,8 @@ class Results:
         return all(s["busy"] <= BUSY_LIMIT for s in self.samples.get((scenario, side), []))
 
     def rows(self) -> list[dict[str, Any]]:
+        """A row per (scenario, side); where the link probe ran, a save's or load's time is
+        also set against the attainable time of its store direction (``over_attainable``)."""
         out = []
         for (scenario, side), got in self.samples.items():
             times = [s["seconds"] for s in got]
@@ -101,6 +114,13 @@ class Results:
                         "link_s": statistics.median(s.get("link_s", float("nan")) for s in got),
                         "in_flight": statistics.median(s["in_flight"] for s in got),
                         "valid": self.valid(scenario, side)})
+        attainable = probe.efficiency(out)
+        for r in out:
+            factor = attainable.get(self.links.get(r["scenario"], ""))
+            probed = r["scenario"].startswith((probe.PROBE, probe.CONTROL))
+            r["attainable_s"] = (r["limit_s"] * factor if factor and not probed
+                                 else float("nan"))
+            r["over_attainable"] = r["median_s"] / r["attainable_s"]
         return out
 
 
@@ -109,6 +129,51 @@ def _options(cluster: topo.Cluster, world: int) -> dict[str, Any]:
     """The benchmarks' rank options, each rank on its node; a part's job may take longer
     than the usual 15 minutes: peers read the whole state on every rank over slow links."""
     return dict(rank_options(world), setup=cluster.ranks(world, rank_setup), timeout=2400)
+
+
+def part_probe(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """The link probe: the DDP save's bytes as raw PUTs, then GETs, from every node at once
+    (each variant of ``probe.VARIANTS`` a job); then the controls, the same requests from
+    ranks in the store's namespace, where no tc shapes their way."""
+    per, nodes = cluster.profile.ranks_per_node, len(cluster.nodes)
+    world, store = per * nodes, cluster.store
+    nbytes = args.size_mb * MiB // world * world  # what is sent: an equal share per rank
+    put, get = probe.names(world, nodes)
+    controls = (f"{probe.CONTROL} PUT {world}r, store's namespace",
+                f"{probe.CONTROL} GET {world}r, store's namespace")
+    for name in (put, controls[0]):
+        res.limits[name] = topo.save_limit(cluster.profile, nbytes, nodes)
+    for name in (get, controls[1]):
+        res.limits[name] = topo.sharded_load_limit(cluster.profile, nbytes, nodes)
+    in_store = topo.OnNode((cluster.store_host,), world, rank_setup)
+    variants = {v.side(nbytes, world): v for v in probe.VARIANTS}  # a small state: alike
+    runs = [(put, get, "", store.endpoint, v, cluster.ranks(world, rank_setup))
+            for v in variants.values()]
+    runs += [(*controls, "via the proxy, ", store.endpoint, probe.VARIANTS[0], in_store),
+             (*controls, "SeaweedFS direct, ", store.server_endpoint, probe.VARIANTS[0],
+              in_store)]
+    exact, nominal = True, cluster.profile.store_rate * nodes
+    for k, (put_name, get_name, how, endpoint, variant, setup) in enumerate(runs):
+        out = run_distributed(probe.probe_rank, world, endpoint, store.key, store.secret,
+                              store.bucket, f"probe/{k}", nbytes, variant, args.reps,
+                              cluster.counters(), **dict(_options(cluster, world), setup=setup))[0]
+        exact &= out["exact"]
+        side = how + out["side"]
+        # the controls' bytes cross no watched link (the store namespace's loopback)
+        put_link, get_link = (None, None) if how else ("store_in", "store_out")
+        for s in out["samples"]:
+            res.add(put_name, side, s["put"], put_link)
+            res.add(get_name, side, s["get"], get_link)
+        for name, phase, direction in ((put_name, "put", "out"), (get_name, "get", "in")):
+            samples = [s[phase] for s in out["samples"]]
+            report.note(probe.rate_line(f"{name}, {side}", samples, nominal))
+            if not how:
+                nodes_seen = [probe.per_node(s, nodes, per, direction) for s in samples]
+                report.raw.setdefault("probe_nodes", []).append(
+                    {"scenario": name, "side": side, "samples": nodes_seen})
+                report.note(probe.node_line(f"{name}, {side}", nodes_seen,
+                                            cluster.profile.store_rate))
+    report.check("probe: every GET returned what was PUT", exact)
 
 
 def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> str:
@@ -363,26 +428,28 @@ class ClusterReport(Report):
         self.rows: list[dict[str, Any]] = []
 
     def table(self) -> str:
-        head = (f"{'scenario':<34} {'side':<17} {'median s':>9} {'min-max':>13} {'limit s':>8} "
-                f"{'t/limit':>8} {'link s':>7} {'reqs':>5} {'cores':>6} {'ours':>5}  valid  "
-                "limit's link")
+        head = (f"{'scenario':<40} {'side':<36} {'median s':>9} {'min-max':>13} "
+                f"{'limit s':>8} {'t/limit':>8} {'t/attain':>8} {'link s':>7} {'reqs':>5} "
+                f"{'cores':>6} {'ours':>5}  valid  limit's link")
         lines = [head, "-" * len(head)]
         for r in self.rows:
-            lines.append(f"{r['scenario']:<34} {r['side']:<17} {r['median_s']:>9.2f} "
+            lines.append(f"{r['scenario']:<40} {r['side']:<36} {r['median_s']:>9.2f} "
                          f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['limit_s']:>8.2f} "
-                         f"{r['over_limit']:>8.2f} {r['link_s']:>7.2f} {r['in_flight']:>5.1f} "
+                         f"{r['over_limit']:>8.2f} {_blank(r['over_attainable']):>8} "
+                         f"{r['link_s']:>7.2f} {r['in_flight']:>5.1f} "
                          f"{r['busy_max']:>6.0%} {r['own_max']:>5.0%}  "
                          f"{'yes' if r['valid'] else 'NO':<5}  {r['limit_link']}")
         return "\n".join(lines) + "\n\n" + super().table()
 
     def markdown(self) -> str:
         """The rows and comparisons as Markdown tables (for docs/benchmarks.md)."""
-        lines = ["| scenario | side | median s (min-max) | limit s | time / limit | link s | "
-                 "requests in flight | cores busy (max) | of which ours | valid |",
-                 "|---" * 10 + "|"]
+        lines = ["| scenario | side | median s (min-max) | limit s | time / limit | "
+                 "time / attainable | link s | requests in flight | cores busy (max) | "
+                 "of which ours | valid |", "|---" * 11 + "|"]
         for r in self.rows:
             lines.append(f"| {r['scenario']} | {r['side']} | {r['median_s']:.2f} ({r['min_s']:.2f}-"
                          f"{r['max_s']:.2f}) | {r['limit_s']:.2f} | **{r['over_limit']:.2f}** | "
+                         f"{_blank(r['over_attainable'])} | "
                          f"{r['link_s']:.2f} | {r['in_flight']:.1f} | {r['busy_max']:.0%} | "
                          f"{r['own_max']:.0%} | "
                          f"{'yes' if r['valid'] else 'no'} |")
@@ -408,26 +475,34 @@ class ClusterReport(Report):
 
         scenarios = list(dict.fromkeys(r["scenario"] for r in self.rows))
         sides = list(dict.fromkeys(r["side"] for r in self.rows))
-        width = 0.8 / max(1, len(sides))
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(scenarios)), 4.2))
-        colours = ["#2a7ab0", "#bbbbbb", "#e69f00", "#8fbc8f"]
-        for k, side in enumerate(sides):
-            label: str | None = side
-            for i, scenario in enumerate(scenarios):
-                row = next((r for r in self.rows
-                            if r["scenario"] == scenario and r["side"] == side), None)
-                if row is None:
-                    continue
-                bar = ax.bar(i + k * width, row["over_limit"], width, color=colours[k % 4],
-                             hatch="" if row["valid"] else "//", edgecolor="black", linewidth=0.4,
-                             label=label)
-                label = None
+        most = max((sum(r["scenario"] == sc for r in self.rows) for sc in scenarios), default=1)
+        width = 0.8 / most
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(scenarios)), 4.6))
+        colours = ["#2a7ab0", "#bbbbbb", "#e69f00", "#8fbc8f", "#9467bd", "#c5b0d5", "#8c564b",
+                   "#f7b6d2"]
+        labelled: set[str] = set()
+        attain_label: str | None = "attainable (link probe)"
+        for i, scenario in enumerate(scenarios):
+            rows = [r for r in self.rows if r["scenario"] == scenario]
+            for k, row in enumerate(rows):
+                x = i + (k - (len(rows) - 1) / 2) * width
+                side = row["side"]
+                bar = ax.bar(x, row["over_limit"], width,
+                             color=colours[sides.index(side) % len(colours)],
+                             hatch="" if row["valid"] else "//", edgecolor="black",
+                             linewidth=0.4, label=None if side in labelled else side)
+                labelled.add(side)
                 ax.annotate(f"{row['over_limit']:.2f}",
                             (bar[0].get_x() + width / 2, row["over_limit"]),
                             ha="center", va="bottom", fontsize=6)
+                if side == CT and not math.isnan(row["over_attainable"]):
+                    level = row["over_limit"] / row["over_attainable"]
+                    ax.hlines(level, i - 0.45, i + 0.45, colors="purple", linestyles=":",
+                              label=attain_label)
+                    attain_label = None
         ax.axhline(1.3, color="red", linestyle="--", linewidth=0.8, label="target 1.3x limit")
         ax.axhline(1.0, color="black", linewidth=0.6)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))])
+        ax.set_xticks(range(len(scenarios)))
         ax.set_xticklabels(scenarios, fontsize=7, rotation=15, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("time / physical limit (log)")
@@ -441,6 +516,11 @@ class ClusterReport(Report):
 def _compare_all(report: ClusterReport, res: Results) -> None:
     """Every ckptturbo result against its limit, and against each peer on the same scenario."""
     report.rows = res.rows()
+    for r in report.rows:
+        if r["scenario"].startswith(probe.PROBE):
+            report.compare(f"{r['scenario']}, {r['side']}: link efficiency", r["limit_s"],
+                           r["median_s"], "s", peer_name="probe's time (limit / time)",
+                           note="" if r["valid"] else "NOT VALID: cores > 70% busy")
     for scenario, limit in res.limits.items():
         ours = res.median(scenario, CT)
         if ours is None:
@@ -450,6 +530,11 @@ def _compare_all(report: ClusterReport, res: Results) -> None:
         if floor is None:
             report.compare(f"{scenario}: time / physical limit", ours, limit.seconds, "s",
                            peer_name=f"limit: {limit.link}", target=1.3, note=valid)
+            attainable = next((r["attainable_s"] for r in report.rows
+                               if r["scenario"] == scenario and r["side"] == CT), math.nan)
+            if not math.isnan(attainable):
+                report.compare(f"{scenario}: time / attainable", ours, attainable, "s",
+                               peer_name="limit x link probe's t/limit", note=valid)
         elif res.median(scenario, floor) is not None:
             report.compare(f"{scenario} above {floor}: time / physical limit",
                            ours - res.median(scenario, floor), limit.seconds, "s",
@@ -468,6 +553,11 @@ def _compare_all(report: ClusterReport, res: Results) -> None:
         (few, small), (many, big) = growth[0], growth[-1]
         report.compare(f"grouped load growth {few} -> {many} ranks", res.median(big, CT),
                        res.median(small, CT), "s", peer_name=f"ckptturbo {few} ranks", target=1.25)
+
+
+def _blank(value: float) -> str:
+    """A ratio for the tables, blank where there is none (NaN)."""
+    return "" if math.isnan(value) else f"{value:.2f}"
 
 
 def _keep_partial(out: str, res: Results) -> None:
@@ -503,7 +593,9 @@ def scenario(args: Any) -> Report:
             url = ""
             for part in parts:
                 log.info("part %s", part)
-                if part == "ddp":
+                if part == "probe":
+                    part_probe(cluster, args, res, report)
+                elif part == "ddp":
                     url = part_ddp(cluster, args, res, report)
                 elif part == "growth":
                     part_growth(cluster, args, res, report, url)

@@ -37,7 +37,7 @@ def _url(root: str, side: str, rep: int) -> str:
     return url + "/ckpt" if side == CT else url
 
 
-def _timed(rank: int, counters: dict[str, str], key: str, fn: Any) -> dict[str, Any]:
+def timed(rank: int, counters: dict[str, str], key: str, fn: Any) -> dict[str, Any]:
     """``fn()`` on every rank between barriers; rank 0 also counts what every link carried
     over the same window (``links``), the store link's ``key`` (what the store sent or
     took in) as ``link_bytes``."""
@@ -57,7 +57,7 @@ def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, An
     zero_(sd)
     reset_fsspec_caches()
     reader = _reader(side, url, opts)
-    sample = _timed(rank, counters, "store_out", lambda: dcp.load(sd, storage_reader=reader))
+    sample = timed(rank, counters, "store_out", lambda: dcp.load(sd, storage_reader=reader))
     exact = not mismatches(sd, expected)
     read = gather(getattr(reader, "bytes_from_storage", None))
     if side == CT:
@@ -81,7 +81,7 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
             url = _url(root, side, rep)
             reset_fsspec_caches()  # no side inherits another's fsspec clients
             writer = _writer(side, url, opts)
-            saved = _timed(rank, counters, "store_in",
+            saved = timed(rank, counters, "store_in",
                            lambda w=writer: dcp.save(sd, storage_writer=w))
             loaded, ok = _load(rank, side, url, opts, sd, expected, counters)
             exact &= ok

@@ -66,7 +66,7 @@ def _keeper(host: netns.Host, data_dir: str, latency_s: float, conn_rate: float,
         _warm_up(server)
         proxy = _ExposedProxy(server.endpoint, host.address, latency_s=latency_s,
                               conn_rate=conn_rate).start()
-        conn.send(("ready", f"http://{host.address}:{proxy.port}", server.pid))
+        conn.send(("ready", f"http://{host.address}:{proxy.port}", server.pid, server.endpoint))
         while True:
             try:
                 request = conn.recv()
@@ -75,7 +75,7 @@ def _keeper(host: netns.Host, data_dir: str, latency_s: float, conn_rate: float,
             if request == "stats":
                 conn.send(proxy.stats().to_json())
     except BaseException as exc:  # noqa: BLE001 - reported to the benchmark
-        conn.send(("error", f"{type(exc).__name__}: {exc}", 0))
+        conn.send(("error", f"{type(exc).__name__}: {exc}", 0, ""))
     finally:
         if proxy is not None:
             proxy.stop()
@@ -99,7 +99,8 @@ class Store:
         if not self._conn.poll(_START_TIMEOUT_S):
             self.stop()
             raise RuntimeError(f"the store did not start within {_START_TIMEOUT_S:.0f} s")
-        state, self.endpoint, self.server_pid = self._conn.recv()
+        # server_endpoint: SeaweedFS itself, on the store namespace's loopback (no proxy)
+        state, self.endpoint, self.server_pid, self.server_endpoint = self._conn.recv()
         if state != "ready":
             self.stop()
             raise RuntimeError(f"the store did not start: {self.endpoint}")

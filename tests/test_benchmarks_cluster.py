@@ -1,10 +1,12 @@
 """The cluster benchmark end to end at a tiny size, and its clean-up when interrupted.
 
-Every part runs on a 2-node miniature cluster (network namespaces, shaped links, the store
-behind its own link) with 4 MiB and the rates scaled up 4x, so that it finishes in about
-a minute or two; its correctness checks must pass (what loaded is what was saved, 0 bytes
-from the store on recovery, nothing left behind). Timings and targets are not asserted:
-at this size fixed costs dominate, and the shared CI cores are busy (the results say so).
+Every default part (the link probe first) runs on a 2-node miniature cluster (network
+namespaces, shaped links, the store behind its own link) with 4 MiB and the rates scaled
+up 4x, so that it finishes in about a minute or two; its correctness checks must pass (what
+the probe and the loads read is what was written, 0 bytes from the store on recovery,
+nothing left behind), and each load is set against the probe's attainable time. Timings
+and targets are not asserted: at this size fixed costs dominate, and the shared CI cores
+are busy (the results say so).
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
     assert (tmp_path / "cluster.png").stat().st_size > 0
     assert doc["checks"] and doc["checks_passed"], doc["checks"]
     rows = {(r["scenario"], r["side"]) for r in doc["raw"]["rows"]}
-    for scenario, side in [("DDP save 4r/2n", "DCP fsspec"),
+    for scenario, side in [("link probe PUT 4r/2n", "boto3 1 MiB x1/rank"),
+                           ("link probe GET 4r/2n", "boto3 1 MiB x1/rank"),
+                           ("no tc PUT 4r, store's namespace",
+                            "SeaweedFS direct, boto3 1 MiB x1/rank"),
+                           ("DDP save 4r/2n", "DCP fsspec"),
                            ("whole-state load 4r/2n", "ckptturbo"),
                            ("grouped load 2r/1n", "ckptturbo"), ("grouped load 4r/2n", "ckptturbo"),
                            ("recovery, node lost 4r/2n", "ckptturbo"),
@@ -63,7 +69,13 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
     for row in doc["raw"]["rows"]:
         assert row["limit_s"] > 0 and row["median_s"] > 0 and 0 <= row["busy_max"] <= 1
         assert row["valid"] == (row["busy_max"] <= 0.70)
+    probe = {r["side"]: r for r in doc["raw"]["rows"] if r["scenario"] == "link probe GET 4r/2n"}
+    load = next(r for r in doc["raw"]["rows"]
+                if (r["scenario"], r["side"]) == ("whole-state load 4r/2n", "ckptturbo"))
+    attainable = load["limit_s"] * probe["boto3 1 MiB x1/rank"]["over_limit"]
+    assert load["attainable_s"] == pytest.approx(attainable)
     by_name = {c["name"]: c for c in doc["comparisons"]}
+    assert "whole-state load 4r/2n: time / attainable" in by_name
     read = by_name["whole-state load 4r/2n: bytes from storage (ckptturbo's count)"]
     assert read["ratio"] <= 1.001
 
