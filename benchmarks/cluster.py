@@ -474,7 +474,11 @@ class ClusterReport(Report):
         import matplotlib.pyplot as plt
 
         scenarios = list(dict.fromkeys(r["scenario"] for r in self.rows))
-        sides = list(dict.fromkeys(r["side"] for r in self.rows))
+        # ckptturbo's colours first, then the peers', then the probe's, whichever part ran first
+        probing = {r["side"] for r in self.rows
+                   if r["scenario"].startswith((probe.PROBE, probe.CONTROL))}
+        sides = sorted(dict.fromkeys(r["side"] for r in self.rows),
+                       key=lambda s: (s != CT, s in probing))
         most = max((sum(r["scenario"] == sc for r in self.rows) for sc in scenarios), default=1)
         width = 0.8 / most
         fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(scenarios)), 4.6))
