@@ -146,12 +146,13 @@ def part_probe(cluster: topo.Cluster, args: Any, res: Results, report: Report) -
     for name in (get, controls[1]):
         res.limits[name] = topo.sharded_load_limit(cluster.profile, nbytes, nodes)
     in_store = topo.OnNode((cluster.store_host,), world, rank_setup)
-    variants = {v.side(nbytes, world): v for v in probe.VARIANTS}  # a small state: alike
     runs = [(put, get, "", store.endpoint, v, cluster.ranks(world, rank_setup))
-            for v in variants.values()]
-    runs += [(*controls, "via the proxy, ", store.endpoint, probe.VARIANTS[0], in_store),
-             (*controls, "SeaweedFS direct, ", store.server_endpoint, probe.VARIANTS[0],
-              in_store)]
+            for v in probe.VARIANTS]
+    runs += [(*controls, "via the proxy, ", store.endpoint, probe.MANY, in_store),
+             (*controls, "via the proxy, ", store.endpoint, probe.WHOLE, in_store),
+             (*controls, "SeaweedFS direct, ", store.server_endpoint, probe.MANY, in_store)]
+    # a small state cuts some variants alike: each once
+    runs = list({(r[0], r[2] + r[4].side(nbytes, world)): r for r in runs}.values())
     exact, nominal = True, cluster.profile.store_rate * nodes
     for k, (put_name, get_name, how, endpoint, variant, setup) in enumerate(runs):
         out = run_distributed(probe.probe_rank, world, endpoint, store.key, store.secret,

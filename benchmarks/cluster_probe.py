@@ -43,19 +43,20 @@ PROBE, CONTROL = "link probe", "no tc"
 @dataclass(frozen=True)
 class Variant:
     """One way of sending the probe's objects: how many requests each rank keeps in flight
-    (0: all of its objects at once, up to ckptturbo's I/O threads per process); ``mixed``:
-    every other rank sends its share as one object instead, beside its node's other rank's
-    1 MiB ones (as a rank holding an 8 MiB embedding chunk of the DDP save does): whether
-    one long request starves behind many short ones on a node's shaped share."""
+    (0: all of its objects at once, up to ckptturbo's I/O threads per process); with
+    ``whole_every`` n, the ranks whose number n divides send their share as one object
+    instead, one connection at the per-connection cap: every rank (n = 1), as node 0's
+    ranks send the DDP save's two 8 MiB embedding chunks, or every other rank (n = 2), a
+    long request beside its node's other rank's short ones."""
 
     in_flight: int
-    mixed: bool = False
+    whole_every: int = 0
 
     def sizes(self, nbytes: int, world: int, rank: int) -> list[int]:
         """Rank ``rank``'s objects: its equal share of ``nbytes``, in OBJECT_BYTES pieces
-        (or whole, on the even ranks of a mixed variant)."""
+        (or whole)."""
         share = nbytes // world
-        if self.mixed and rank % 2 == 0:
+        if self.whole_every and rank % self.whole_every == 0:
             return [share]
         whole, rest = divmod(share, OBJECT_BYTES)
         return [OBJECT_BYTES] * whole + ([rest] if rest else [])
@@ -68,12 +69,14 @@ class Variant:
 
     def side(self, nbytes: int, world: int) -> str:
         small = f"{OBJECT_BYTES // MiB} MiB x{self.streams(len(self.sizes(nbytes, world, 1)))}"
-        if self.mixed and nbytes // world > OBJECT_BYTES:  # else the same as unmixed
-            return f"boto3 {nbytes // world / MiB:g} MiB x1 | {small}"
-        return f"boto3 {small}/rank"
+        whole = f"{nbytes // world / MiB:g} MiB x1"
+        if not self.whole_every or nbytes // world <= OBJECT_BYTES:  # else the same as plain
+            return f"boto3 {small}/rank"
+        return f"boto3 {whole}/rank" if self.whole_every == 1 else f"boto3 {whole} | {small}"
 
 
-VARIANTS = (Variant(0), Variant(FEW_IN_FLIGHT), Variant(0, mixed=True))
+MANY, WHOLE = Variant(0), Variant(0, whole_every=1)  # the controls' two
+VARIANTS = (MANY, Variant(FEW_IN_FLIGHT), WHOLE, Variant(0, whole_every=2))
 
 
 def _client(endpoint: str, key: str, secret: str, streams: int) -> Any:
