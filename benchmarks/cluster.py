@@ -2,7 +2,8 @@
 ratio to its physical limit and to the peers, measured on the same topology in one run.
 
     python -m benchmarks.run cluster [--size-mb 64] [--reps 5] [--nodes 4]
-                                     [--parts ddp,growth,recovery,stream] [--scale 0.0025]
+                                     [--parts ddp,growth,recovery,stream,stream-dist]
+                                     [--scale 0.0025]
                                      [--vllm-tp 1,2]
 
 Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topology``):
@@ -17,6 +18,10 @@ growth    ckptturbo's whole-state load on 2, 4, 8 ranks over 1, 2, 4 nodes
 recovery  sharded state with memory tiers: node 1 lost, recovered from its peers' memory,
           vs ckptturbo's load of the same checkpoint from the durable store
 stream    ct.stream_safetensors vs Run:ai Model Streamer, one process on node 0
+stream-dist
+          the same model onto every rank (8 over 4 nodes): ct.stream_safetensors with the
+          job's process group vs Run:ai's distributed mode, per node (its default) and
+          global (``benchmarks.cluster_stream``)
 vllm      (on request, not in the default) vLLM's weights phase on node 0 at each
           tensor-parallel size of --vllm-tp (default 1,2) with load_format="ckptturbo" vs
           "runai_streamer", the construction ("dummy") apart
@@ -42,7 +47,7 @@ from typing import Any
 from ckptturbo.testing import netns
 from ckptturbo.testing.launcher import run_distributed
 
-from . import cluster_jobs, stream_s3, tiers_recovery
+from . import cluster_jobs, cluster_stream, stream_s3, tiers_recovery
 from . import cluster_topology as topo
 from .cluster_jobs import CT, DCP_FSSPEC, S3TORCH
 from .cores import BUSY_LIMIT, CoreSampler
@@ -52,7 +57,7 @@ from .s3_peers import peer_available
 from .states import MiB
 
 log = logging.getLogger("benchmarks")
-PARTS = ("ddp", "growth", "recovery", "stream")  # the default; "vllm" on request
+PARTS = ("ddp", "growth", "recovery", "stream", "stream-dist")  # the default; "vllm" on request
 RUNAI = "Run:ai"
 FLOOR = "construction (dummy)"  # vLLM's load_format="dummy": builds the model, reads nothing
 
@@ -260,6 +265,38 @@ def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) 
             w.close()
 
 
+def part_stream_dist(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """A safetensors model onto every rank: ct.stream_safetensors with the job's group vs
+    Run:ai's distributed mode, per node and global, alternating (``cluster_stream``)."""
+    store = cluster.store
+    model = os.path.join(cluster.scratch, "model-dist")
+    files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
+    url = store.url("model-dist")
+    _upload(store, url, model)
+    total = sum(os.path.getsize(f) for f in files)
+    nodes = len(cluster.nodes)
+    world = nodes * cluster.profile.ranks_per_node
+    spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
+            "local_files": files, "storage_options": store.storage_options,
+            "endpoint": store.endpoint, "streams": 16, "memory_limit": 512 * MiB}
+    out = run_distributed(cluster_stream.stream_rank, world, spec, args.reps, cluster.counters(),
+                          **_options(cluster, world))[0]
+    name = f"streaming across ranks {world}r/{nodes}n"
+    res.limits[name] = topo.whole_load_limit(cluster.profile, total, nodes)
+    for s in out["samples"]:
+        res.add(name, s["side"], s, "store_out")
+    if out["unavailable"]:
+        report.note(f"Run:ai's distributed mode not measured: {out['unavailable']}")
+    for side, wrong in out["wrong"].items():
+        report.check(f"{name}: {side} gave every rank every tensor, bit-exact", wrong == 0,
+                     f"{wrong} tensors wrong or missing over all ranks")
+        sent = [s["link_bytes"] for s in out["samples"] if s["side"] == side]
+        if sent:
+            report.compare(f"{name}: bytes the store's link sent, {side}", max(sent), total,
+                           "bytes", peer_name="the model's bytes",
+                           note="link counters: TCP/IP and HTTP headers included")
+
+
 def part_vllm(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
     """vLLM's weights phase (``load_model``) on node 0 at each tensor-parallel size of
     ``--vllm-tp``, in warm engine processes (benchmarks.ray_vllm's): ``load_format=
@@ -351,7 +388,7 @@ def _vllm_engines(res: Results, report: Report, args: Any, name: str, python: st
 # --------------------------------------------------------------------------- the report
 # the vLLM target is about tensor-parallel 2, where every Run:ai worker reads the whole model
 PEER_TARGETS = {"DDP save": 0.8, "whole-state load": 0.3, "stream safetensors": 1.05,
-                "vLLM weights phase TP2": 0.6}
+                "streaming across ranks": 0.6, "vLLM weights phase TP2": 0.6}
 
 
 class ClusterReport(Report):
@@ -511,6 +548,8 @@ def scenario(args: Any) -> Report:
                     part_recovery(cluster, args, res, report)
                 elif part == "stream":
                     part_stream(cluster, args, res, report)
+                elif part == "stream-dist":
+                    part_stream_dist(cluster, args, res, report)
                 else:
                     part_vllm(cluster, args, res, report)
                 _keep_partial(args.out, res)

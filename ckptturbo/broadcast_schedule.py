@@ -9,9 +9,10 @@ piece in the step before it forwards it. Start steps are assigned greedily in ti
 that no rank ever holds more than ``max_inflight`` assembly buffers (see
 :func:`plan_schedule`). A rank needs only its own :class:`Part` of each transfer it belongs
 to (the step it sends piece 0, its predecessor and successor): a coordinator computes the
-start steps once and sends the ranks that need the same chunks their transfers in a form
-each of them computes its own parts from (:class:`RotatedChains`), so no rank holds the
-schedule of the whole job; :func:`own_parts` extracts one rank's parts from the full list,
+start steps once, from chains given as rotations of their needers
+(:func:`schedule_rotations`), and sends the ranks that need the same chunks their transfers
+in a form each of them computes its own parts from (:class:`RotatedChains`), so no rank
+holds the schedule of the whole job; :func:`own_parts` extracts one rank's parts from the full list,
 for callers that have it on every rank.
 """
 from __future__ import annotations
