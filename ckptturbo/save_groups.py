@@ -30,23 +30,25 @@ from .save_plan import WHOLE, Assignment, Holdings
 
 
 class DistinctPlans:
-    """Everything of a grouped save's plan that does not depend on the world: every
-    distinct plan's items numbered once (per item its bytes, whether it is an object, the
-    plans by number that hold it, the key the balancer knows it by), per plan each item's
-    position, the tensors grouped by the set of plans that hold them, and each plan's
-    replica flags for both cases the world decides (the plan on one rank or on several).
-    ``digests``: the distinct plans' digests, the key a writer keeps it by."""
+    """Everything of a grouped save's plan that depends only on its distinct local plans,
+    neither on the world nor on the writer's settings (chunk size, balancing, the replica
+    check: ``assign_grouped`` applies them): every distinct plan's items numbered once
+    (per item its bytes, whether it is an object, the key the balancer knows it by), per
+    plan each item's position, the tensors grouped by the set of plans that hold them, and
+    each plan's replica flags for both cases the world decides (the plan on one rank or on
+    several). ``order``: the distinct plans' digests by plan number; ``digests``: the same
+    as a set, the key a writer keeps it by."""
 
     def __init__(self, digests: Sequence[str], held: Sequence[Holdings]) -> None:
-        self.number = {d: g for g, d in enumerate(digests)}  # digest -> plan number
-        self.digests = frozenset(self.number)
+        self.order = list(digests)
+        self.digests = frozenset(self.order)
         self.signatures = [h.signature for h in held]
         self.ids: dict[MetadataIndex, int] = {}
         self.nbytes: list[int] = []
         self.is_object: list[bool] = []
-        self.plans_of: list[list[int]] = []
         self.positions: list[dict[int, int]] = []
         index: list[MetadataIndex] = []
+        plans_of: list[list[int]] = []  # per item, the plans that hold it
         for g, h in enumerate(held):
             sizes = np.frombuffer(h.nbytes, dtype=np.int64).tolist()
             mine: dict[int, int] = {}
@@ -57,8 +59,8 @@ class DistinctPlans:
                     index.append(item.index)
                     self.nbytes.append(sizes[pos])
                     self.is_object.append(item.type == WriteItemType.BYTE_IO)
-                    self.plans_of.append([])
-                self.plans_of[i].append(g)
+                    plans_of.append([])
+                plans_of[i].append(g)
                 mine[i] = pos
             self.positions.append(mine)
         # tensors by the plans that hold them, and the keys plan_writes names them by
@@ -69,13 +71,13 @@ class DistinctPlans:
             if not self.is_object[i]:
                 key = self.keys[i] = f"{idx.fqn}@{','.join(map(str, idx.offset or ()))}"
                 self.key_of[key] = i
-                self.sets.setdefault(tuple(self.plans_of[i]), []).append(i)
+                self.sets.setdefault(tuple(plans_of[i]), []).append(i)
         # per plan, (flags if it is on one rank, flags if on several): an item is replicated
         # where another rank holds it too; in position order
         self.flags: list[tuple[bytes, bytes]] = []
         for mine in self.positions:
             tensor = np.asarray([not self.is_object[i] for i in mine], dtype=bool)
-            shared = np.asarray([len(self.plans_of[i]) > 1 for i in mine], dtype=bool)
+            shared = np.asarray([len(plans_of[i]) > 1 for i in mine], dtype=bool)
             self.flags.append((np.packbits(tensor & shared).tobytes(),
                                np.packbits(tensor).tobytes()))
 
@@ -107,9 +109,7 @@ def assign_grouped(plans: list[SavePlan], *, balance: bool, chunk_size: int,
     elif distinct.digests != groups.keys():
         raise CkptTurboError("TurboWriter.prepare_global_plan: the kept plan of the distinct "
                              "local plans was made for other plans than this save's")
-    members: list[list[int]] = [[]] * len(groups)  # by plan number
-    for digest, ranks in groups.items():
-        members[distinct.number[digest]] = ranks
+    members = [groups[digest] for digest in distinct.order]  # by plan number
     group_of = np.empty(world, dtype=np.int64)
     for g, ranks in enumerate(members):
         group_of[ranks] = g

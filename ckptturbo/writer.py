@@ -254,9 +254,8 @@ class TurboWriter(StorageWriter, AsyncStager):
             kept, digests = self._distinct_plans, frozenset(key)
             if last is not None and kept is not None and kept.digests == digests:
                 self.plan_cache_partial_hits += 1
-                log.info("%s: %s, with the same %d distinct local plans: reusing their plan, "
-                         "assigning writes again", self.url, _why_replan(last[0], key),
-                         len(digests))
+                log.info("%s: %s, with the same %s: reusing their plan, assigning writes "
+                         "again", self.url, _why_replan(last[0], key), _plans(len(digests)))
             else:
                 if last is not None:
                     log.info("%s: the last plan does not fit (%s%s); planning again", self.url,
@@ -370,8 +369,12 @@ def _new_plans(kept: DistinctPlans | None, digests: frozenset[str]) -> str:
     last save's plans were not grouped)."""
     if kept is None:
         return ""
-    return (f"; {len(digests - kept.digests)} of {len(digests)} distinct local plans are new, "
+    return (f"; {len(digests - kept.digests)} of {_plans(len(digests))} new, "
             f"{len(kept.digests - digests)} gone: the shard shapes or the state changed")
+
+
+def _plans(n: int) -> str:
+    return f"{n} distinct local plan{'' if n == 1 else 's'}"
 
 
 def _indices(metadata: Metadata) -> Any:

@@ -92,7 +92,7 @@ def test_the_writer_reuses_the_distinct_plans_and_says_why(caplog):
     writer.prepare_global_plan(_coordinator_input([1, 0, 0], wide=True))
     assert (writer.plan_cache_hits, writer.plan_cache_partial_hits) == (1, 2)
     assert ("the last plan does not fit (3 of 3 ranks' local plans changed; 2 of 2 distinct "
-            "local plans are new, 2 gone: the shard shapes or the state changed); planning "
+            "local plans new, 2 gone: the shard shapes or the state changed); planning "
             "again") in caplog.text
 
 
@@ -142,7 +142,7 @@ def test_a_subgroup_save_reuses_the_plan_and_a_new_shape_replans(tmp_path):
     lines = [line for line in out[0]["lines"] if "plan" in line]
     assert lines[0].endswith("the world changed from 4 to 3 ranks, with the same 2 distinct "
                              "local plans: reusing their plan, assigning writes again")
-    assert "the world changed from 3 to 4 ranks; 2 of 2 distinct local plans are new, 2 gone" \
+    assert "the world changed from 3 to 4 ranks; 2 of 2 distinct local plans new, 2 gone" \
         in lines[1] and lines[1].endswith("planning again")
     for step, wide in enumerate((False, False, True)):
         sd = _loaded(f"{root}/step-{step}", wide)
