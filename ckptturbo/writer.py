@@ -75,6 +75,13 @@ class TurboWriter(StorageWriter, AsyncStager):
             untouched.
         session: the ``ckptturbo.Session`` whose I/O threads and caches this writer uses
             (default: the process's default session).
+
+    Counters, on the coordinator: ``plan_cache_hits``, saves that reused the last plan
+    whole (the same local plans on the same ranks, or DCP's plan cache);
+    ``plan_cache_partial_hits``, saves under ``TurboSavePlanner`` whose ranks had the same
+    distinct local plans in another world (a subgroup, more or fewer ranks), which reused
+    the part of the plan that depends on those plans only (``save_groups.DistinctPlans``).
+    Both live in this object: a new process starts with empty caches.
     """
 
     def __init__(
