@@ -34,11 +34,10 @@ def _state(part: int, wide: bool = False) -> dict:
     return sd
 
 
-def _coordinator_input(parts: list[int], wide: bool = False) -> list[SavePlan]:
-    """The plans the writer's coordinator gets from ranks holding ``parts`` (one per rank)
-    under ``TurboSavePlanner``, made as each rank and the coordinator's planner make them:
-    each distinct plan sent whole by its first rank with its holdings, a digest from the
-    others, pickled as they travel, then DCP's dedup over the distinct plans."""
+def _sent(parts: list[int], wide: bool = False) -> list[SavePlan]:
+    """The plans the coordinator gets from ranks holding ``parts`` (one per rank) under
+    ``TurboSavePlanner``, made as each rank makes them: each distinct plan sent whole by
+    its first rank with its holdings, a digest from the others, pickled as they travel."""
     local = []
     for part in parts:
         planner = ct.TurboSavePlanner()
@@ -51,7 +50,42 @@ def _coordinator_input(parts: list[int], wide: bool = False) -> list[SavePlan]:
     sent = [pickle.loads(pickle.dumps(writer.prepare_local_plan(
         grouped_plan(plan, digest, rank in firsts))))
         for rank, (plan, digest) in enumerate(zip(local, digests, strict=True))]
-    return ct.TurboSavePlanner().create_global_plan(sent)[0]
+    return sent
+
+
+def _coordinator_input(parts: list[int], wide: bool = False) -> list[SavePlan]:
+    """What the writer's coordinator gets: :func:`_sent`, then the planner's global plan
+    (DCP's dedup over the distinct plans)."""
+    return ct.TurboSavePlanner().create_global_plan(_sent(parts, wide))[0]
+
+
+def _planned(plans: list[SavePlan]) -> list[tuple]:
+    """What a global plan hands each rank, but the storage layer's data (this save's)."""
+    return [(p.items, p.planner_data.digest, p.planner_data.sender) for p in plans]
+
+
+def test_the_planner_keeps_the_global_plan_of_the_same_distinct_plans():
+    """TurboSavePlanner's global plan over the distinct plans (DCP's dedup and metadata)
+    is made once for the same distinct plans, from another world too (a fresh planner, as
+    ct.save makes one per save), and again for a new distinct plan; what it hands back
+    equals a plan made afresh, with this save's storage data."""
+    ct.TurboSavePlanner._last_distinct = None
+    _, four = ct.TurboSavePlanner().create_global_plan(_sent([0, 1, 0, 1]))
+    kept = ct.TurboSavePlanner._last_distinct
+    sent = _sent([1, 0, 0])
+    plans, three = ct.TurboSavePlanner().create_global_plan(sent)
+    assert ct.TurboSavePlanner._last_distinct is not kept  # digests in another order
+    plans, three = ct.TurboSavePlanner().create_global_plan(_sent([0, 1, 1]))
+    kept = ct.TurboSavePlanner._last_distinct
+    sent = _sent([0, 0, 1, 1, 1])
+    plans, again = ct.TurboSavePlanner().create_global_plan(sent)
+    assert ct.TurboSavePlanner._last_distinct is kept and again is three
+    assert [p.storage_data for p in plans] == [p.storage_data for p in sent]
+    ct.TurboSavePlanner._last_distinct = None
+    fresh, metadata = ct.TurboSavePlanner().create_global_plan(_sent([0, 0, 1, 1, 1]))
+    assert _planned(plans) == _planned(fresh) and again == metadata
+    _, wide = ct.TurboSavePlanner().create_global_plan(_sent([0, 0, 1, 1, 1], wide=True))
+    assert wide != metadata and wide.state_dict_metadata["w"].size == torch.Size([300, 201])
 
 
 def _assigned(plans: list[SavePlan], **options) -> list[tuple]:
