@@ -231,18 +231,24 @@ def _upload(store: Any, url: str, directory: str) -> None:
         list(pool.map(upload, names))
 
 
-def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
-    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
+def _stream_model(cluster: topo.Cluster, args: Any, name: str) -> tuple[int, dict[str, Any]]:
+    """A safetensors model of half the state's size in 4 files, made and uploaded as
+    ``name`` (untimed): its bytes, and the loaders' spec (``stream_s3``'s workers)."""
     store = cluster.store
-    model = os.path.join(cluster.scratch, "model")
+    model = os.path.join(cluster.scratch, name)
     files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
-    url = store.url("model")
+    url = store.url(name)
     _upload(store, url, model)
-    total = sum(os.path.getsize(f) for f in files)
     spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
             "local_files": files, "storage_options": store.storage_options,
             "endpoint": store.endpoint, "direct_options": store.storage_options,
             "streams": 16, "memory_limit": 1024 * MiB}
+    return sum(os.path.getsize(f) for f in files), spec
+
+
+def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
+    """ct.stream_safetensors vs Run:ai Model Streamer, one warm process each on node 0."""
+    total, spec = _stream_model(cluster, args, "model")
     python = cluster_jobs.stream_worker_python(cluster.scratch, cluster.nodes[0].netns,
                                                sys.executable)
     name = "stream safetensors 1 process/1n"
@@ -268,17 +274,9 @@ def part_stream(cluster: topo.Cluster, args: Any, res: Results, report: Report) 
 def part_stream_dist(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> None:
     """A safetensors model onto every rank: ct.stream_safetensors with the job's group vs
     Run:ai's distributed mode, per node and global, alternating (``cluster_stream``)."""
-    store = cluster.store
-    model = os.path.join(cluster.scratch, "model-dist")
-    files = stream_s3.make_model(model, max(4, args.size_mb // 2), 4)
-    url = store.url("model-dist")
-    _upload(store, url, model)
-    total = sum(os.path.getsize(f) for f in files)
+    total, spec = _stream_model(cluster, args, "model-dist")
     nodes = len(cluster.nodes)
     world = nodes * cluster.profile.ranks_per_node
-    spec = {"url": url, "urls": [f"{url}/{os.path.basename(f)}" for f in files],
-            "local_files": files, "storage_options": store.storage_options,
-            "endpoint": store.endpoint, "streams": 16, "memory_limit": 512 * MiB}
     out = run_distributed(cluster_stream.stream_rank, world, spec, args.reps, cluster.counters(),
                           **_options(cluster, world))[0]
     name = f"streaming across ranks {world}r/{nodes}n"
