@@ -112,7 +112,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="coordinator-scale: HSDP ranks per shard group (default 64)")
     p.add_argument("--nodes", type=int, default=4, help="cluster: nodes of 2 ranks each")
     p.add_argument("--parts", default=None,
-                   help="cluster: comma-separated parts (default ddp,growth,recovery,stream)")
+                   help="cluster: comma-separated parts (default ddp,growth,recovery,stream,"
+                        "stream-dist)")
     p.add_argument("--vllm-tp", default="1,2",
                    help="cluster: tensor-parallel sizes of part vllm, comma-separated (each a "
                         "scenario of its own; default 1,2)")

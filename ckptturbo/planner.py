@@ -56,6 +56,13 @@ class TurboSavePlanner(DefaultSavePlanner):
             the coordinator's plan itself, keyed by the ranks' digests.
     """
 
+    # The coordinator's last global plan of distinct plans: their digests (in the order of
+    # their first ranks) and settings, DCP's deduplicated plans and the metadata. Kept by
+    # the class, as DCP keeps its plan cache, because ``ct.save`` makes a planner per save;
+    # it depends on the distinct plans alone, so it also serves a changed world (a
+    # subgroup, more or fewer replicas) whose ranks bring the same distinct plans.
+    _last_distinct: tuple[tuple, list[SavePlan], Metadata] | None = None
+
     def __init__(self, process_group: Any = None, *, flatten_state_dict: bool = True,
                  flatten_sharded_tensors: bool = True,
                  dedup_save_to_lowest_rank: bool = False) -> None:
@@ -90,19 +97,29 @@ class TurboSavePlanner(DefaultSavePlanner):
         return first_with(digest, self.process_group, (True, type(self).__name__), "save")
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's dedup, metadata and validation over the distinct plans only; a sender gets
-        back its deduplicated plan, every other rank its own empty plan."""
+        """DCP's dedup, metadata and validation over the distinct plans only (or the last
+        ones again, for the same distinct plans); a sender gets back its deduplicated plan,
+        every other rank its own empty plan."""
         if not all(isinstance(p.planner_data, PlanDigest) for p in all_plans):
             return super().create_global_plan(all_plans)
         groups = _groups(all_plans, "TurboSavePlanner")
-        distinct = []
-        for ranks in groups.values():
-            first = all_plans[ranks[0]]
-            distinct.append(dataclasses.replace(first, planner_data=first.planner_data.mappings))
-        planned, metadata = self._create_global_plan(distinct)
+        key = (tuple(groups), self.dedup_save_to_lowest_rank, self.flatten_state_dict)
+        kept = TurboSavePlanner._last_distinct
+        if kept is not None and kept[0] == key:
+            planned, metadata = kept[1], kept[2]
+        else:
+            distinct = []
+            for ranks in groups.values():
+                first = all_plans[ranks[0]]
+                distinct.append(dataclasses.replace(first,
+                                                    planner_data=first.planner_data.mappings))
+            planned, metadata = self._create_global_plan(distinct)
+            TurboSavePlanner._last_distinct = (key, planned, metadata)
         out = list(all_plans)
         for (digest, ranks), plan in zip(groups.items(), planned, strict=True):
-            out[ranks[0]] = dataclasses.replace(plan, planner_data=PlanDigest(digest, False))
+            # the storage layer's data of this save's sender (a kept plan has its last one)
+            out[ranks[0]] = dataclasses.replace(plan, planner_data=PlanDigest(digest, False),
+                                                storage_data=all_plans[ranks[0]].storage_data)
         self.global_plan = out
         self.metadata = metadata
         return out, metadata

@@ -27,13 +27,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
 from .broadcast_schedule import (
+    LOCAL,
     Part,
     RotatedChains,
-    Transfer,
-    plan_schedule,
-    rotated_chains,
+    Rotations,
     rotated_parts,
-    validate,
+    schedule_rotations,
 )
 from .checkpoint_id import servable
 from .chunk_cache import CachedChunkSource
@@ -42,7 +41,7 @@ from .errors import CkptTurboError, MismatchError
 from .groups import Transport, check_transport, load_transport
 from .manifest import Manifest
 from .manifest_records import ShardRecord
-from .plan import ReadNeed, chunks_touched, plan_reads
+from .plan import ReadNeed, chunks_touched, plan_readers
 from .plan.digests import PlanDigest
 from .prefetch import MemoryBudget, Prefetcher, Read
 from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
@@ -281,41 +280,9 @@ class TurboReader(StorageReader):
         if not self._broadcasting() or len(plans) < 2:
             return [dataclasses.replace(p, storage_data=None)
                     if isinstance(p.storage_data, LocalReads) else p for p in plans]
-        ids = list(self._chunk_sizes)
-        sizes = np.fromiter(self._chunk_sizes.values(), dtype=np.int64, count=len(ids))
-        ordinal = self._chunk_ordinals()
-        per_rank = []
-        of_group: dict[str, np.ndarray] = {}  # TurboLoadPlanner: the needs its first rank sent
-        for plan in plans:
-            sent = plan.storage_data
-            grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
-            if isinstance(sent, LocalReads):
-                per_rank.append(np.frombuffer(sent.needs, dtype=np.int32))
-                if grouped is not None:
-                    of_group[grouped.digest] = per_rank[-1]
-            elif grouped is not None and grouped.digest in of_group:
-                per_rank.append(of_group[grouped.digest])
-            else:  # a plan that did not pass through prepare_local_plan
-                per_rank.append(np.array([ordinal[c] for c in self._chunks_of(plan.items)],
-                                         np.int32))
-        counts = np.fromiter((len(n) for n in per_rank), dtype=np.int64, count=len(per_rank))
-        chunk = np.concatenate(per_rank) if per_rank else np.empty(0, np.int32)
-        rank = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
-        order = np.lexsort((rank, chunk))  # by chunk, then rank: needers ascending
-        chunk, rank = chunk[order], rank[order]
-        bounds = np.flatnonzero(np.diff(chunk)) + 1
-        firsts = np.concatenate(([0], bounds)) if len(chunk) else bounds
-        needers = np.split(rank, bounds) if len(chunk) else []
-        needs = [ReadNeed(ids[c], int(sizes[c]), tuple(r.tolist()))
-                 for c, r in zip(chunk[firsts].tolist(), needers, strict=True)]
-        assignments = plan_reads(needs, len(plans))
-        transfers = [Transfer(ordinal[a.chunk], a.nbytes, a.chain) for a in assignments]
-        validate(transfers, len(plans))
         settings = ChainSettings(self.piece_size)
-        starts = plan_schedule(transfers, settings.piece_size, settings.max_inflight)
-        ranks_of = {n.chunk: n.ranks for n in needs}
-        groups = rotated_chains(transfers, [ranks_of[a.chunk] for a in assignments], starts)
-        chained = bool(starts)
+        groups = self._read_plan(plans, settings)
+        chained = any((g.starts != LOCAL).any() for g in groups)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
         out = []
         for member, (plan, mine) in enumerate(zip(plans, _groups_of_ranks(groups, len(plans)),
@@ -327,6 +294,73 @@ class TurboReader(StorageReader):
             out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items,
                                            storage_data=chains))
         return out
+
+    def _read_plan(self, plans: list[LoadPlan], settings: ChainSettings) -> list[RotatedChains]:
+        """Each chunk's reader and the schedule of its chain, from the chunks each rank
+        needs. Ranks that need the same chunks (one digest with ``TurboLoadPlanner``, or
+        equal needs) are one group, and a chunk's needers are the union of the groups that
+        need it, built once per distinct union: O(world + groups x chunks), where a
+        whole-state load of thousands of ranks sorted world x chunks (rank, chunk) pairs."""
+        ids = list(self._chunk_sizes)
+        sizes = np.fromiter(self._chunk_sizes.values(), dtype=np.int64, count=len(ids))
+        ordinal = self._chunk_ordinals()
+        group_of: dict[str | bytes, int] = {}
+        needs_of: list[np.ndarray] = []  # per group, the chunks (ordinals) its ranks need
+        ranks_of: list[list[int]] = []
+        for rank, plan in enumerate(plans):
+            sent = plan.storage_data
+            grouped = plan.planner_data if isinstance(plan.planner_data, PlanDigest) else None
+            needs: np.ndarray | None = None
+            if isinstance(sent, LocalReads):
+                needs = np.frombuffer(sent.needs, dtype=np.int32)
+            elif grouped is None or grouped.digest not in group_of:
+                # a plan that did not pass through prepare_local_plan
+                needs = np.array([ordinal[c] for c in self._chunks_of(plan.items)], np.int32)
+            key: str | bytes
+            if grouped is not None:
+                key = grouped.digest
+            else:
+                assert needs is not None  # computed above for every plan without a digest
+                key = needs.tobytes()
+            g = group_of.get(key)
+            if g is None:
+                assert needs is not None  # a digest seen first is its sender's, with needs
+                g = group_of[key] = len(needs_of)
+                needs_of.append(needs)
+                ranks_of.append([])
+            ranks_of[g].append(rank)
+        counts = np.fromiter((len(n) for n in needs_of), dtype=np.int64, count=len(needs_of))
+        chunk = np.concatenate(needs_of) if needs_of else np.empty(0, np.int32)
+        group = np.repeat(np.arange(len(needs_of), dtype=np.int64), counts)
+        order = np.lexsort((group, chunk))  # by chunk, then group
+        chunk, group = chunk[order], group[order]
+        bounds = np.flatnonzero(np.diff(chunk)) + 1
+        firsts = np.concatenate(([0], bounds)) if len(chunk) else bounds
+        union: dict[tuple[int, ...], int] = {}  # groups -> index of their ranks' union
+        needers: list[tuple[int, ...]] = []
+        union_of: dict[int, int] = {}  # chunk ordinal -> its needers' index
+        read_needs = []
+        for c, gs in zip(chunk[firsts].tolist(), np.split(group, bounds) if len(chunk) else [],
+                         strict=True):
+            key_of = tuple(gs.tolist())
+            u = union.get(key_of)
+            if u is None:
+                u = union[key_of] = len(needers)
+                needers.append(tuple(sorted(r for g in key_of for r in ranks_of[g])))
+            union_of[c] = u
+            read_needs.append(ReadNeed(ids[c], int(sizes[c]), needers[u]))
+        sets: list[list[tuple[int, int, int]]] = [[] for _ in needers]  # (tid, nbytes, head)
+        arrays = [np.asarray(ranks, dtype=np.int64) for ranks in needers]
+        for need, reader in plan_readers(read_needs, len(plans)):
+            c = ordinal[need.chunk]
+            u = union_of[c]
+            sets[u].append((c, need.nbytes, int(np.searchsorted(arrays[u], reader))))
+        rotations = []
+        for ranks, rows in zip(arrays, sets, strict=True):
+            table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+            rotations.append(Rotations(ranks, table[:, 0], table[:, 1], table[:, 2]))
+        return schedule_rotations(rotations, len(plans), settings.piece_size,
+                                  settings.max_inflight)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         manifest = self.read_manifest()

@@ -41,7 +41,7 @@ from .plan.digests import PlanDigest
 from .results import SaveStats
 from .runs import Location
 from .runtime import Runtime, resolve
-from .save_groups import assign_grouped
+from .save_groups import DistinctPlans, assign_grouped, distinct_plans
 from .save_plan import Assignment
 from .staging import DeviceCopier, HostBuffer, HostBufferPool, default_pool_bytes
 from .upload import Upload, plan_entries, stage_state_dict
@@ -75,6 +75,13 @@ class TurboWriter(StorageWriter, AsyncStager):
             untouched.
         session: the ``ckptturbo.Session`` whose I/O threads and caches this writer uses
             (default: the process's default session).
+
+    Counters, on the coordinator: ``plan_cache_hits``, saves that reused the last plan
+    whole (the same local plans on the same ranks, or DCP's plan cache);
+    ``plan_cache_partial_hits``, saves under ``TurboSavePlanner`` whose ranks had the same
+    distinct local plans in another world (a subgroup, more or fewer ranks), which reused
+    the part of the plan that depends on those plans only (``save_groups.DistinctPlans``).
+    Both live in this object: a new process starts with empty caches.
     """
 
     def __init__(
@@ -117,6 +124,7 @@ class TurboWriter(StorageWriter, AsyncStager):
         self.delta: DeltaPlan | None = None  # set by a delta save for its commit (delta_save)
         self.last_stats = SaveStats()
         self.plan_cache_hits = 0
+        self.plan_cache_partial_hits = 0
         self._session = session
         self._init_runtime()
 
@@ -126,6 +134,9 @@ class TurboWriter(StorageWriter, AsyncStager):
         self._copier = DeviceCopier()
         # coordinator: the last plan (signatures -> assignments) and the plans it came from
         self._cached_plan: tuple[tuple, list[Assignment], list[SavePlan]] | None = None
+        # coordinator, grouped plans: the part of the last plan that fits any world with
+        # the same distinct local plans (``save_groups.DistinctPlans``)
+        self._distinct_plans: DistinctPlans | None = None
         self._held: tuple[str, list] | None = None  # this rank's last local items, by signature
         self._staged_buffers: collections.deque[list[HostBuffer]] = collections.deque()
 
@@ -238,20 +249,29 @@ class TurboWriter(StorageWriter, AsyncStager):
 
     def _prepare_grouped(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Plans from ``TurboSavePlanner``: one whole plan per distinct digest
-        (``save_groups``); the same digests on the same ranks reuse the last plan."""
+        (``save_groups``). The same digests on the same ranks reuse the last plan; the same
+        distinct digests in another world (more or fewer ranks, or plans on other ranks)
+        reuse its world-independent part and assign the writes again."""
         key = tuple(p.planner_data.digest for p in plans)
         last = self._cached_plan
         if last is not None and last[0] == key:
             assignments = last[1]
             self.plan_cache_hits += 1
         else:
-            if last is not None:
-                log.info("%s: the last plan does not fit (%s); planning again", self.url,
-                         _why_replan(last[0], key))
+            kept, digests = self._distinct_plans, frozenset(key)
+            if last is not None and kept is not None and kept.digests == digests:
+                self.plan_cache_partial_hits += 1
+                log.info("%s: %s, with the same %s: reusing their plan, assigning writes "
+                         "again", self.url, _why_replan(last[0], key), _plans(len(digests)))
+            else:
+                if last is not None:
+                    log.info("%s: the last plan does not fit (%s%s); planning again", self.url,
+                             _why_replan(last[0], key), _new_plans(kept, digests))
+                kept = self._distinct_plans = distinct_plans(plans)
             assignments = assign_grouped(plans, balance=self.balance, chunk_size=self.chunk_size,
                                          weights=self.weights,
                                          check_replicas=self.replica_check != "off",
-                                         save_id=self.save_id)
+                                         save_id=self.save_id, distinct=kept)
         self._cached_plan = (key, assignments, plans)
         return [dataclasses.replace(p, items=[], storage_data=a, planner_data=None)
                 for p, a in zip(plans, assignments, strict=True)]
@@ -349,6 +369,19 @@ def _why_replan(last: tuple, key: tuple) -> str:
         return f"the world changed from {len(last)} to {len(key)} ranks"
     changed = sum(a != b for a, b in zip(last, key, strict=True))
     return f"{changed} of {len(key)} ranks' local plans changed"
+
+
+def _new_plans(kept: DistinctPlans | None, digests: frozenset[str]) -> str:
+    """What changed among the distinct local plans since the kept ones (none kept: the
+    last save's plans were not grouped)."""
+    if kept is None:
+        return ""
+    return (f"; {len(digests - kept.digests)} of {_plans(len(digests))} new, "
+            f"{len(kept.digests - digests)} gone: the shard shapes or the state changed")
+
+
+def _plans(n: int) -> str:
+    return f"{n} distinct local plan{'' if n == 1 else 's'}"
 
 
 def _indices(metadata: Metadata) -> Any:

@@ -64,7 +64,8 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
                            ("grouped load 2r/1n", "ckptturbo"), ("grouped load 4r/2n", "ckptturbo"),
                            ("recovery, node lost 4r/2n", "ckptturbo"),
                            ("durable load 4r/2n", "ckptturbo"),
-                           ("stream safetensors 1 process/1n", "ckptturbo")]:
+                           ("stream safetensors 1 process/1n", "ckptturbo"),
+                           ("streaming across ranks 4r/2n", "ckptturbo")]:
         assert (scenario, side) in rows, sorted(rows)
     for row in doc["raw"]["rows"]:
         assert row["limit_s"] > 0 and row["median_s"] > 0 and 0 <= row["busy_max"] <= 1

@@ -15,6 +15,8 @@ import torch
 
 from ckptturbo.broadcast import ChainBroadcaster
 from ckptturbo.broadcast_schedule import (
+    LOCAL,
+    Rotations,
     Transfer,
     alloc_step,
     last_step,
@@ -22,8 +24,8 @@ from ckptturbo.broadcast_schedule import (
     npieces,
     own_parts,
     plan_schedule,
-    rotated_chains,
     rotated_parts,
+    schedule_rotations,
 )
 from ckptturbo.errors import CommunicationError, IntegrityError, PlanError
 from ckptturbo.testing.launcher import RankFailure, run_distributed
@@ -304,23 +306,48 @@ def _rotations(world: int, count: int, seed: int) -> tuple[list[Transfer], list[
     return transfers, needers
 
 
+def _as_rotations(transfers: list[Transfer], needers: list[tuple]) -> list[Rotations]:
+    """The transfers as the reader's coordinator describes them: per set of needers, each
+    transfer's tid, size and the index of its head among them."""
+    sets: dict[tuple, list[tuple[int, int, int]]] = {}
+    for t, ranks in zip(transfers, needers, strict=True):
+        sets.setdefault(ranks, []).append((t.tid, t.nbytes, ranks.index(t.chain[0])))
+    return [Rotations(np.asarray(ranks), *np.asarray(rows).T) for ranks, rows in sets.items()]
+
+
 def test_each_rank_computes_exactly_its_own_parts_from_the_shared_groups() -> None:
-    """rotated_chains (once, on a coordinator) and rotated_parts (each rank, from its
-    groups) give every rank the parts own_parts finds in the whole list, part for part;
-    evenly spaced needers travel as three numbers; a chain that is not a rotation of its
-    needers is refused."""
-    transfers, needers = _rotations(7, 90, seed=4)
-    for max_inflight in (1, 4):
-        starts = plan_schedule(transfers, PIECE, max_inflight)
-        groups = rotated_chains(transfers, needers, starts)
-        assert {(0, 1, 7), (1, 2, 3), (2, 1, 1)} <= \
-            {g.needers for g in groups if isinstance(g.needers, tuple)}
-        for rank in range(7):
-            rows = rotated_parts(groups, rank).tolist()
-            assert rows == [[p.tid, p.step, p.prev, p.next]
-                            for p in own_parts(transfers, rank, PIECE, max_inflight)]
-    with pytest.raises(PlanError, match="not a rotation"):
-        rotated_chains([Transfer(1, 10, (0, 2, 1))], [(0, 1, 2)], {})
+    """schedule_rotations (once, on a coordinator) starts every transfer where
+    plan_schedule does on the chains themselves, and rotated_parts (each rank, from its
+    groups) gives every rank the parts own_parts finds in the whole list, part for part;
+    evenly spaced needers travel as three numbers."""
+    for world, count, seed in ((7, 90, 4), (12, 200, 9)):
+        transfers, needers = _rotations(world, count, seed=seed)
+        for max_inflight in (1, 2, 4):
+            groups = schedule_rotations(_as_rotations(transfers, needers), world, PIECE,
+                                        max_inflight)
+            starts = plan_schedule(transfers, PIECE, max_inflight)
+            assert {int(t): int(s) for g in groups for t, s in zip(g.tids, g.starts, strict=True)
+                    if s != LOCAL} == starts
+            assert {(0, 1, world), (1, 2, world // 2), (2, 1, 1)} <= \
+                {g.needers for g in groups if isinstance(g.needers, tuple)}
+            for rank in range(world):
+                rows = rotated_parts(groups, rank).tolist()
+                assert rows == [[p.tid, p.step, p.prev, p.next]
+                                for p in own_parts(transfers, rank, PIECE, max_inflight)]
+
+
+def test_rotations_that_no_schedule_can_serve_are_refused() -> None:
+    """What validate refuses of a transfer list, schedule_rotations refuses of its sets."""
+    def one(needers, heads=(0,), nbytes=(10,), tids=(1,)) -> list[Rotations]:
+        return [Rotations(np.asarray(needers), np.asarray(tids), np.asarray(nbytes),
+                          np.asarray(heads))]
+    for bad, match in ((one((0, 2, 1)), "distinct ranks"), (one((0, 0)), "distinct ranks"),
+                       (one((0, 4)), "distinct ranks"), (one(()), "non-empty"),
+                       (one((0, 1), heads=(2,)), "head outside"),
+                       (one((0, 1), nbytes=(-1,)), "nbytes >= 0"),
+                       (one((0, 1)) + one((2, 3)), "duplicate tid")):
+        with pytest.raises(PlanError, match=match):
+            schedule_rotations(bad, 4, PIECE, 2)
 
 
 def _heap_schedule(transfers: list[Transfer], max_inflight: int) -> dict[int, int]:

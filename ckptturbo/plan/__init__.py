@@ -6,14 +6,15 @@ id) first and every tie is broken by rank number.
 
 - ``writes``: ``plan_writes`` (each replicated byte written by exactly one holder, in
   chunk-aligned ranges) and ``plan_stats`` (how far a plan is from the lower bound);
-- ``reads``: ``plan_reads`` (each chunk read by one rank, and the chain that forwards it);
+- ``reads``: ``plan_readers`` (each chunk read by one rank) and ``plan_reads`` (with the
+  chain that forwards it);
 - ``balance``: the balancing both use, with its bounds and their proofs;
 - ``spans``: byte-span maths of a load (which bytes of a stored box a read needs, which
   chunks those touch);
 - ``checks``: validation of the inputs, shared by both planners;
 - ``digests``: ranks with equal local plans, recognised by a digest (``PlanDigest``).
 """
-from .reads import ChainAssignment, ReadNeed, plan_reads
+from .reads import ChainAssignment, ReadNeed, plan_readers, plan_reads
 from .spans import box_span, chunks_touched, numel, overlapping, row_major_strides
 from .writes import ByteRange, PlanItem, plan_stats, plan_writes
 
@@ -23,6 +24,7 @@ __all__ = [
     "ReadNeed",
     "ChainAssignment",
     "plan_writes",
+    "plan_readers",
     "plan_reads",
     "plan_stats",
     "box_span",

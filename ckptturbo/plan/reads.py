@@ -41,14 +41,28 @@ def plan_reads(
 ) -> list[ChainAssignment]:
     """Choose, for every chunk, the one rank that reads it and the chain that forwards it.
 
-    The reader is one of the ranks that need the chunk, chosen by the same balancing as
-    `plan_writes` (a chunk is an indivisible piece). The chain is the reader, then the
+    The reader is the one :func:`plan_readers` chooses. The chain is the reader, then the
     other needers above it ascending, then those below it ascending: when many chunks
     have the same needers, readers rotate and so does the rank that ends each chain, so
     forwarding work spreads evenly. The list is sorted by chunk id, independent of the
     order of `needs`; every rank walks it in that order to post its sends and receives.
     Chunk ids must be unique: merge the needers of a chunk used in several places.
     """
+    return [ChainAssignment(n.chunk, n.nbytes, _chain(reader, n.ranks))
+            for n, reader in plan_readers(needs, world_size, weights=weights)]
+
+
+def plan_readers(
+    needs: Sequence[ReadNeed],
+    world_size: int,
+    *,
+    weights: Sequence[float] | None = None,
+) -> list[tuple[ReadNeed, int]]:
+    """Every chunk with the rank that reads it, sorted by chunk id: one of the ranks that
+    need it, chosen by the same balancing as `plan_writes` (a chunk is an indivisible
+    piece). Apart from the chains (:func:`plan_reads`) because a chain can be world_size
+    long: a coordinator that describes chains as rotations of their needers never builds
+    them."""
     w = check_weights(weights, world_size)
     ordered = _sorted_needs(needs)
     load = [0] * world_size
@@ -69,10 +83,8 @@ def plan_reads(
     for g in groups:
         for (_, i), rank in zip(g.pieces, g.piece_at, strict=True):
             reader[i] = rank
-    return [
-        ChainAssignment(n.chunk, n.nbytes, _chain(reader[i], ranks_of[i]))
-        for i, n in enumerate(ordered)
-    ]
+    return list(zip(ordered, reader, strict=True))
+
 
 def _sorted_needs(needs: Sequence[ReadNeed]) -> list[ReadNeed]:
     ordered = sorted(needs, key=lambda n: n.chunk)

@@ -40,6 +40,7 @@ from .source import ByteSource, FileEntry
 log = logging.getLogger(__name__)
 BROADCAST_INFLIGHT = 2
 BROADCAST_TIMEOUT = 300.0
+BROADCAST_PIECE_MIN, BROADCAST_PIECE_MAX = 1 << 20, 8 << 20
 UNBOUNDED = 1 << 62  # head reads are reserved per batch, not again by the prefetcher
 
 
@@ -86,6 +87,17 @@ def describe_collectively(group: Any, describe: Callable[[], list[StreamFile]],
     return out
 
 
+def broadcast_piece(reads: Sequence[Read], piece: int) -> int:
+    """The pieces chains forward reads in: about a quarter of the largest read, within
+    [1 MiB, 8 MiB] (and ``piece``). A head forwards a read once it has all of it, and a
+    chain of L ranks delivers a read of n pieces after n + L - 1 piece-steps: a read of one
+    piece crosses every hop whole, one after the other (a 4 MiB read down 8 ranks of a
+    250 MB/s fabric: 0.11 s, against 0.04 s in 1 MiB pieces); smaller pieces than 1 MiB
+    cost more per-message overhead than they save."""
+    largest = max((r.size for r in reads), default=0)
+    return max(1, min(piece, BROADCAST_PIECE_MAX, max(BROADCAST_PIECE_MIN, largest // 4)))
+
+
 def _key(read: Read) -> str:
     return f"{read.index:012d}"  # sorts like the index: plan_reads orders by key
 
@@ -114,7 +126,8 @@ class ReadOnceFeed:
             batches, group=group, fetch=self._fetch, deliver=self._deliver, done=self._done,
             submit=source.store.submit, budget=MemoryBudget(UNBOUNDED), streams=streams,
             reserve=self._reserve,
-            settings=ChainSettings(min(8 << 20, piece), BROADCAST_INFLIGHT, BROADCAST_TIMEOUT))
+            settings=ChainSettings(broadcast_piece(reads, piece), BROADCAST_INFLIGHT,
+                                   BROADCAST_TIMEOUT))
 
     def _tail_heads(self) -> set[int]:
         """Only rank 0 knows which reads it serves from its header GETs: it tells the others."""

@@ -1,7 +1,8 @@
 """Safetensors headers of a stream's files: one ranged GET each, whose data tail is kept.
 
-The first GET of a file asks for ``HEADER_PROBE`` bytes, which hold the whole header of
-almost every model; a second GET is needed only for a longer header. The rest of the first
+The first GET of a file asks for ``HEADER_PROBE`` bytes (``GROUP_HEADER_PROBE`` when one
+rank describes the model for a process group), which hold the whole header of almost every
+model; a second GET is needed only for a longer header. The rest of the first
 GET is already data: it is kept (within a quarter of the memory budget) and serves the
 reads it covers, so no byte is fetched twice.
 """
@@ -18,6 +19,10 @@ from .source import ByteSource, FileEntry
 
 MiB = 1 << 20
 HEADER_PROBE = 1 * MiB  # first GET per file: holds the whole header of almost every model
+# With a process group rank 0 alone fetches the headers, and no rank reads data until it
+# has sent them: the probe's data tail is bytes one node reads while the others wait, so
+# the probe is no larger than a large header (a few thousand tensors' entries).
+GROUP_HEADER_PROBE = 256 << 10
 
 
 @dataclass

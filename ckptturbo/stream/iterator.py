@@ -45,7 +45,7 @@ from .cache import DiskCache
 from .device import Destination, Scatter, covering, land
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
-from .headers import HEADER_PROBE, StreamFile, fetch_header, tail_slices
+from .headers import GROUP_HEADER_PROBE, HEADER_PROBE, StreamFile, fetch_header, tail_slices
 from .options import StreamOptions
 from .ranges import cut_reads
 from .source import ByteSource, FileEntry, list_files, open_store
@@ -94,7 +94,7 @@ class SafetensorsStream:
         # Reads are at most a quarter of the budget so several fly at once; an eighth when
         # distributed, where the broadcaster holds two more (see distributed).
         self.piece = max(1, min(prof.chunk_size, prof.memory_limit // (8 if self._dist else 4)))
-        self.probe = min(HEADER_PROBE, self.piece)
+        self.probe = min(GROUP_HEADER_PROBE if self._dist else HEADER_PROBE, self.piece)
         self.budget = MemoryBudget(prof.memory_limit)
         store = open_store(first, opts.storage_options, prof.streams)
         cache = DiskCache(opts.cache_dir, opts.cache_max_bytes) if opts.cache_dir else None
