@@ -11,7 +11,7 @@ Needs root (network namespaces, ``tc``). The topology (``benchmarks.cluster_topo
 rate with a share for the object store; SeaweedFS and the fault proxy (first-byte latency,
 per-connection cap) in a namespace of their own behind the store's link. Parts:
 
-probe     the link probe (benchmarks.cluster_probe): raw parallel boto3 PUTs and GETs of
+probe     the link probe (benchmarks.cluster_probe): raw parallel botocore PUTs and GETs of
           the DDP save's bytes in 1 MiB objects from every node at once, no checkpoint
           logic: what the store's link attains (its time / limit, the link efficiency),
           then the same requests from the store's namespace (no tc): through the proxy,

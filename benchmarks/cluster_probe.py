@@ -4,7 +4,7 @@ simplest S3 client, on the same topology in the same run as the checkpoints.
 Every save and load is reported against its physical limit (bytes over the slowest link
 at its nominal rate). Whether the emulation itself (``tc``'s shaping, the fault proxy's
 first-byte delay and per-connection cap, SeaweedFS) can carry that rate with S3 requests
-is a question of its own: the probe answers it with raw parallel PUTs and GETs from boto3
+is a question of its own: the probe answers it with raw parallel PUTs and GETs from botocore
 threads, no checkpoint logic at all, the same bytes as the DDP save in objects of the size
 most of ckptturbo's chunks have there, from every node's namespace at once. Its time /
 limit is the **link efficiency** the topology attains; each ckptturbo result is then also
@@ -71,8 +71,8 @@ class Variant:
         small = f"{OBJECT_BYTES // MiB} MiB x{self.streams(len(self.sizes(nbytes, world, 1)))}"
         whole = f"{nbytes // world / MiB:g} MiB x1"
         if not self.whole_every or nbytes // world <= OBJECT_BYTES:  # else the same as plain
-            return f"boto3 {small}/rank"
-        return f"boto3 {whole}/rank" if self.whole_every == 1 else f"boto3 {whole} | {small}"
+            return f"botocore {small}/rank"
+        return f"botocore {whole}/rank" if self.whole_every == 1 else f"botocore {whole} | {small}"
 
 
 MANY, WHOLE = Variant(0), Variant(0, whole_every=1)  # the controls' two
@@ -80,16 +80,18 @@ VARIANTS = (MANY, Variant(FEW_IN_FLIGHT), WHOLE, Variant(0, whole_every=2))
 
 
 def _client(endpoint: str, key: str, secret: str, streams: int) -> Any:
-    """A plain boto3 client: a connection per thread, one attempt per request, no checksum
+    """A plain botocore client (boto3's core, installed with s3fs; boto3 itself is only a
+    benchmark extra): a connection per thread, one attempt per request, no checksum
     beyond what S3 requires (ckptturbo's own settings: its chunks are BLAKE3-verified)."""
-    import boto3
     from botocore.config import Config
+    from botocore.session import get_session
 
     config = Config(max_pool_connections=streams, retries={"total_max_attempts": 1},
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required")
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key,
-                        aws_secret_access_key=secret, region_name="us-east-1", config=config)
+    return get_session().create_client("s3", endpoint_url=endpoint, aws_access_key_id=key,
+                                       aws_secret_access_key=secret, region_name="us-east-1",
+                                       config=config)
 
 
 def probe_rank(rank: int, world: int, endpoint: str, key: str, secret: str, bucket: str,

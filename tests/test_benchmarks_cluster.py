@@ -55,10 +55,10 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
     assert (tmp_path / "cluster.png").stat().st_size > 0
     assert doc["checks"] and doc["checks_passed"], doc["checks"]
     rows = {(r["scenario"], r["side"]) for r in doc["raw"]["rows"]}
-    for scenario, side in [("link probe PUT 4r/2n", "boto3 1 MiB x1/rank"),
-                           ("link probe GET 4r/2n", "boto3 1 MiB x1/rank"),
+    for scenario, side in [("link probe PUT 4r/2n", "botocore 1 MiB x1/rank"),
+                           ("link probe GET 4r/2n", "botocore 1 MiB x1/rank"),
                            ("no tc PUT 4r, store's namespace",
-                            "SeaweedFS direct, boto3 1 MiB x1/rank"),
+                            "SeaweedFS direct, botocore 1 MiB x1/rank"),
                            ("DDP save 4r/2n", "DCP fsspec"),
                            ("whole-state load 4r/2n", "ckptturbo"),
                            ("grouped load 2r/1n", "ckptturbo"), ("grouped load 4r/2n", "ckptturbo"),
@@ -73,7 +73,7 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
     probe = {r["side"]: r for r in doc["raw"]["rows"] if r["scenario"] == "link probe GET 4r/2n"}
     load = next(r for r in doc["raw"]["rows"]
                 if (r["scenario"], r["side"]) == ("whole-state load 4r/2n", "ckptturbo"))
-    attainable = load["limit_s"] * probe["boto3 1 MiB x1/rank"]["over_limit"]
+    attainable = load["limit_s"] * probe["botocore 1 MiB x1/rank"]["over_limit"]
     assert load["attainable_s"] == pytest.approx(attainable)
     by_name = {c["name"]: c for c in doc["comparisons"]}
     assert "whole-state load 4r/2n: time / attainable" in by_name
