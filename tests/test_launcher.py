@@ -34,6 +34,13 @@ def fail_on_rank_one(rank: int, world: int) -> int:
     return rank
 
 
+def fail_before_a_barrier(rank: int, world: int) -> None:
+    """Rank 1 fails on its own; rank 0's barrier then breaks because rank 1 is gone."""
+    if rank == 1:
+        raise KeyError("rank one fails first")
+    dist.barrier()
+
+
 def sleep_forever(rank: int, world: int) -> None:
     time.sleep(600)
 
@@ -57,6 +64,14 @@ def test_first_failure_is_raised_with_its_type_and_remote_traceback():
     with pytest.raises(KeyError, match="rank one fails") as info:
         run_distributed(fail_on_rank_one, 2, timeout=60)
     assert "fail_on_rank_one" in str(info.value.__cause__)
+
+
+def test_the_failure_that_broke_the_group_is_raised_not_its_fallout():
+    """A peer's broken connection on rank 0 is the fallout of rank 1's own error: the
+    launcher raises rank 1's, and names rank 0's too."""
+    with pytest.raises(KeyError, match="rank one fails first") as info:
+        run_distributed(fail_before_a_barrier, 2, timeout=60)
+    assert "fail_before_a_barrier" in str(info.value.__cause__)
 
 
 def test_expected_failures_are_returned():

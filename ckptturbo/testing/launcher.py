@@ -252,9 +252,23 @@ def _raise_first_failure(outcomes: list[Any]) -> None:
     failures = [o for o in outcomes if isinstance(o, RankFailure)]
     if not failures:
         return
-    # A rank that raised its own exception explains more than one that was killed after it.
-    first = next((f for f in failures if f.error is not None), failures[0])
-    cause = RemoteTraceback(str(first))
+    # A rank that raised its own exception explains more than one that was killed after it,
+    # and more than one whose group broke because a peer died (the peer's error is the cause).
+    first = next((f for f in failures if f.error is not None and not _fallout(f)),
+                 next((f for f in failures if f.error is not None), failures[0]))
+    others = "".join(f"\nalso rank {f.rank}: {f.traceback.strip().splitlines()[-1]}"
+                     for f in failures if f is not first and f.traceback.strip())
+    cause = RemoteTraceback(str(first) + others)
     if first.error is not None:
         raise first.error from cause
     raise RuntimeError(f"rank {first.rank} failed") from cause
+
+
+def _fallout(failure: RankFailure) -> bool:
+    """Whether a rank's error is its process group breaking (a peer's connection closed
+    or lost), which another rank's own failure causes."""
+    error = failure.error
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and any(s in str(error) for s in ("Connection closed by peer", "connectFullMesh",
+                                          "Connection reset by peer")))
