@@ -189,7 +189,7 @@ def part_ddp(cluster: topo.Cluster, args: Any, res: Results, report: Report) -> 
     store = cluster.store
     out = run_distributed(cluster_jobs.ddp_rank, world, store.storage_options, store.url("ddp"),
                           args.size_mb * MiB, args.reps, cluster.counters(), sides,
-                          **_options(cluster, world))[0]
+                          cluster.profile.chunk_size, **_options(cluster, world))[0]
     unique, nodes = out["unique"], len(cluster.nodes)
     save, load = f"DDP save {world}r/{nodes}n", f"whole-state load {world}r/{nodes}n"
     res.limits[save] = topo.save_limit(cluster.profile, unique, nodes)
@@ -238,7 +238,7 @@ def part_growth(cluster: topo.Cluster, args: Any, res: Results, report: Report, 
         world = nodes * per
         out = run_distributed(cluster_jobs.grouped_rank, world, store.storage_options, url,
                               args.size_mb * MiB, args.reps, cluster.counters(), not saved,
-                              **_options(cluster, world))[0]
+                              cluster.profile.chunk_size, **_options(cluster, world))[0]
         saved = True
         name = f"grouped load {world}r/{nodes}n"
         res.limits[name] = topo.whole_load_limit(cluster.profile, out["unique"], nodes)

@@ -20,10 +20,10 @@ log = logging.getLogger("benchmarks")
 CT, DCP_FSSPEC, S3TORCH = "ckptturbo", "DCP fsspec", "s3torchconnector"
 
 
-def _writer(side: str, url: str, options: dict[str, Any]) -> Any:
+def _writer(side: str, url: str, options: dict[str, Any], chunk_size: int) -> Any:
     if side == DCP_FSSPEC:
         return fsspec_writer(url, options)
-    return s3_peers.writer(side, url, options)
+    return s3_peers.writer(side, url, options, chunk_size)
 
 
 def _reader(side: str, url: str, options: dict[str, Any]) -> Any:
@@ -67,9 +67,10 @@ def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, An
 
 
 def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, reps: int,
-             counters: dict[str, str], sides: tuple[str, ...]) -> dict[str, Any]:
+             counters: dict[str, str], sides: tuple[str, ...], chunk_size: int) -> dict[str, Any]:
     """Every rank holds the same state (DDP): each side saves it, then every rank loads the
-    whole of it back; one unmeasured round first, then ``reps`` alternating rounds."""
+    whole of it back; one unmeasured round first, then ``reps`` alternating rounds.
+    ``chunk_size``: ckptturbo's, scaled with the miniature (``Profile.chunk_size``)."""
     s3_peers.peer_environment(opts["client_kwargs"]["endpoint_url"], opts)
     sd = transformer_state(size)
     expected = digests(sd)
@@ -80,7 +81,7 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
         for side in (sides if rep % 2 == 0 else sides[::-1]):
             url = _url(root, side, rep)
             reset_fsspec_caches()  # no side inherits another's fsspec clients
-            writer = _writer(side, url, opts)
+            writer = _writer(side, url, opts, chunk_size)
             saved = timed(rank, counters, "store_in",
                            lambda w=writer: dcp.save(sd, storage_writer=w))
             loaded, ok = _load(rank, side, url, opts, sd, expected, counters)
@@ -95,15 +96,15 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
 
 
 def grouped_rank(rank: int, world: int, opts: dict[str, Any], url: str, size: int, reps: int,
-                 counters: dict[str, str], save_first: bool) -> dict[str, Any]:
-    """Every rank loads the whole of ckptturbo's checkpoint ``url`` (saved here first when
-    asked); one unmeasured load, then ``reps``."""
+                 counters: dict[str, str], save_first: bool, chunk_size: int) -> dict[str, Any]:
+    """Every rank loads the whole of ckptturbo's checkpoint ``url`` (saved here first, in
+    chunks of ``chunk_size``, when asked); one unmeasured load, then ``reps``."""
     import ckptturbo as ct
 
     sd = transformer_state(size)
     expected = digests(sd)
     if save_first:
-        dcp.save(sd, storage_writer=ct.TurboWriter(url, opts))
+        dcp.save(sd, storage_writer=ct.TurboWriter(url, opts, chunk_size=chunk_size))
     samples, exact = [], True
     for rep in range(-1, reps):
         sample, ok = _load(rank, CT, url, opts, sd, expected, counters)

@@ -68,11 +68,12 @@ def peer_environment(endpoint: str, options: dict[str, Any]) -> None:
                        "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_REGION": REGION})
 
 
-def writer(side: str, url: str, options: dict[str, Any]) -> Any:
+def writer(side: str, url: str, options: dict[str, Any], chunk_size: int | None = None) -> Any:
+    """``side``'s DCP writer; ``chunk_size``: ckptturbo's (default: its own default)."""
     if side == "ckptturbo":
         import ckptturbo as ct
 
-        return ct.TurboWriter(url, options)
+        return ct.TurboWriter(url, options, **({"chunk_size": chunk_size} if chunk_size else {}))
     from s3torchconnector import S3ClientConfig
     from s3torchconnector.dcp import S3StorageWriter
 

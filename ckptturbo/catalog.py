@@ -22,8 +22,9 @@ the marker is safe because copying into host memory decides nothing about storag
 
 Markers and the lock are leases (``lease``): a heartbeat rewrites them every third of
 ``$CKPTTURBO_PENDING_LEASE`` while their writer works, so a crashed save or a killed gc
-holds the run for one lease, not for hours. A rank's heartbeat stops (after one last
-renewal) when its uploads are done; the coordinator must commit within one lease of that.
+holds the run for one lease, not for hours. A rank's heartbeat stops when its uploads are
+done, after one last renewal unless the last was within a sixth of the lease; the
+coordinator must commit within five sixths of a lease of that.
 
 A manifest gc cannot read (truncated, corrupted, hostile) might name any chunk, so gc
 deletes nothing while one exists and names it; ``ls`` lists the others and marks it.
@@ -53,6 +54,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .chunk_index import ChunkIndex
 from .chunk_store import ChunkStore
 from .errors import CheckpointNotFound, CkptTurboError, FormatError, SaveInProgress
 from .lease import Heartbeat, marker_is_fresh, pending_lease
@@ -76,11 +78,17 @@ def _fresh(store: ChunkStore, path: str, now: float) -> bool:
         return False
 
 
-def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) -> str:
+def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT, *,
+               index: ChunkIndex | None = None) -> str:
     """Announce one rank of a save (a pending marker with a heartbeat), wait out a running
-    gc, and return the gc generation.
+    gc, and return the gc generation; given the rank's chunk ``index``, bring it to that
+    generation too.
 
     Called after staging and before the first dedup decision (see the module docstring).
+    The order of the requests is the rule's: the marker, then the lock, then the generation.
+    An index never listed is listed alongside the generation's read (both come after the
+    lock is seen gone, so both are valid at that generation): one round trip less on a
+    store's first save.
     """
     store = run.store
     path = run.pending_path(save_id, rank)
@@ -94,16 +102,20 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT) 
         log.debug("save %s (rank %d) waits for the gc lock %s", save_id, rank,
                   store.url_of(run.gc_lock))  # tests wait for this line, not for a sleep
         time.sleep(LOCK_POLL)
+    listing = store.submit(run.chunk_ids) if index is not None and not index.listed else None
     gen = generation(run)
     if gen == "0" and run.own:  # a delete removes the generation with the store: mint anew
         gen = uuid.uuid4().hex
         store.put(run.gc_generation, gen.encode())
+    if index is not None:
+        index.sync(run, gen, listing.result() if listing is not None else None)
     return gen
 
 
 def uploaded(run: RunStore, save_id: str, rank: int) -> None:
-    """This rank's uploads are done: renew its marker once more and stop the heartbeat.
-    The marker now holds for one lease, in which the coordinator commits and removes it."""
+    """This rank's uploads are done: stop the heartbeat, renewing the marker once more
+    unless it was renewed within a sixth of its lease. The marker now holds for at least
+    five sixths of a lease, in which the coordinator commits and removes it."""
     for beat in runtime_of(run).take_heartbeats([run.pending_path(save_id, rank)]):
         beat.stop(final_beat=True)
 

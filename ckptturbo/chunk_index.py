@@ -26,12 +26,13 @@ class ChunkIndex:
         self.generation: str | None = None
         self.listings = 0  # how many times the store was listed (observable in tests)
 
-    def sync(self, run: RunStore, generation: str) -> None:
-        """Relist the store unless the index was listed at this gc generation already."""
+    def sync(self, run: RunStore, generation: str, listed: set[str] | None = None) -> None:
+        """Relist the store unless the index was listed at this gc generation already;
+        ``listed``: a listing already taken at that generation (``catalog.begin_save``)."""
         with self._lock:
             if generation == self.generation:
                 return
-            self._known = run.chunk_ids()
+            self._known = listed if listed is not None else run.chunk_ids()
             self.generation = generation
             self.listings += 1
             log.debug("listed %d chunks of %s at gc generation %s", len(self._known),

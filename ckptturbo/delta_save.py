@@ -63,7 +63,7 @@ class DeltaPlan:
         marker on no gc starts, so a chunk found now is there at the commit. The caller
         removes the marker after the commit (``catalog.end_save``)."""
         index = index_for(run)
-        index.sync(run, catalog.begin_save(run, marker, rank))
+        catalog.begin_save(run, marker, rank, index=index)
         missing = sorted(cid for cid in {p.chunk for b in self.bases.values()
                                          for s in b.record.shards for p in s.pieces}
                          if cid not in index)

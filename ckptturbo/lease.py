@@ -75,6 +75,7 @@ class Heartbeat:
     def __init__(self, store: ChunkStore, path: str, lease: float, **fields: Any) -> None:
         self.store, self.path, self.lease, self.fields = store, path, lease, fields
         self._stop = threading.Event()
+        self._last = 0.0  # monotonic time of the last rewrite that landed
         self._beat(raise_=True)
         self._thread = threading.Thread(target=self._loop, name=f"ckptturbo-lease:{path}",
                                         daemon=True)
@@ -83,6 +84,7 @@ class Heartbeat:
     def _beat(self, raise_: bool = False) -> None:
         try:
             self.store.put(self.path, marker_record(self.lease, **self.fields), durable=False)
+            self._last = time.monotonic()
         except CkptTurboError as exc:
             if raise_:
                 raise
@@ -94,11 +96,12 @@ class Heartbeat:
             self._beat()
 
     def stop(self, final_beat: bool = False) -> None:
-        """No more refreshes; ``final_beat`` first renews the lease once more, so that the
-        record holds for one more lease from now (until a commit that removes it)."""
+        """No more refreshes; ``final_beat``: the record must hold for most of a lease from
+        now (until a commit that removes it), so it is renewed once more unless it was
+        within the last sixth of its lease (a save shorter than that pays no request)."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()
-        if final_beat:
+        if final_beat and time.monotonic() - self._last > self.lease / 6:
             self._beat()

@@ -44,10 +44,9 @@ def copy_chunks(memory: RunStore, durable: RunStore, manifest: Manifest, ours: l
                 save_id: str, rank: int) -> SaveStats:
     """Upload those of ``ours`` (this node's share of the manifest's chunks) that the
     durable store lacks. Announced by a pending marker (``rank``'s) that the commit removes."""
-    generation = catalog.begin_save(durable, save_id, rank)
+    index = index_for(durable)
+    catalog.begin_save(durable, save_id, rank, index=index)
     try:
-        index = index_for(durable)
-        index.sync(durable, generation)
         todo = [cid for cid in ours if cid not in index]
 
         def copy(cid: str) -> None:

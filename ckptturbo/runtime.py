@@ -92,6 +92,7 @@ class Runtime:
         self._executors: dict[tuple, ThreadPoolExecutor] = {}
         self._groups: dict[tuple, Any] = {}
         self._stores: collections.OrderedDict[tuple, Store] = collections.OrderedDict()
+        self._buckets: set[tuple] = set()  # (endpoint, bucket) a store found (check_reachable)
         self._kept: collections.OrderedDict[tuple, Closeable] = collections.OrderedDict()
         self._indexes: collections.OrderedDict[tuple, ChunkIndex] = collections.OrderedDict()
         self._beats: dict[str, Any] = {}
@@ -112,6 +113,14 @@ class Runtime:
                 pool = self._executors[(key, workers)] = ThreadPoolExecutor(
                     workers, thread_name_prefix="ckptturbo-io")
             return pool
+
+    def bucket_found(self, key: tuple) -> bool:
+        with self._lock:
+            return key in self._buckets
+
+    def note_bucket(self, key: tuple) -> None:
+        with self._lock:
+            self._buckets.add(key)
 
     def open_store(self, url: Any, storage_options: dict[str, Any] | None = None,
                    **settings: Any) -> Store:

@@ -46,6 +46,12 @@ class IOPools(Protocol):
     def executor(self, key: tuple, workers: int) -> ThreadPoolExecutor:
         """The pool of ``key`` (an endpoint) with ``workers`` threads, made on first use."""
 
+    def bucket_found(self, key: tuple) -> bool:
+        """Whether a store of this owner found the bucket ``key`` (endpoint, bucket) before."""
+
+    def note_bucket(self, key: tuple) -> None:
+        """A store of this owner found the bucket ``key``."""
+
 
 # A local write goes to a file of this name beside its target, then is renamed over it
 TEMP_PREFIX = ".tmp-"
@@ -466,16 +472,23 @@ class Store:
             raise failure
 
     def check_reachable(self) -> None:
-        """Fail fast with a clear error when the location (bucket, directory) is unusable."""
+        """Fail fast with a clear error when the location (bucket, directory) is unusable.
+        A bucket is listed once per owner (runtime) and endpoint: a process's later saves
+        to new runs in it pay no request for it (S3 answers a bucket's listing in tens of
+        ms, SeaweedFS at times in seconds)."""
         if self.is_local:
             return
         bucket = self.root.split("/", 1)[0]
+        key = (self.endpoint, bucket)
+        if self.session.bucket_found(key):
+            return
         try:
             self.policy.call("open bucket", bucket,
                              lambda: self._request("ls", bucket, refresh=True))
         except CheckpointNotFound as exc:
             raise CheckpointNotFound(f"bucket {self.protocol}://{bucket} does not exist "
                                      f"(opening {self.url})") from exc
+        self.session.note_bucket(key)
 
 
 def _s3_config(options: dict[str, Any], workers: int) -> dict[str, Any]:

@@ -225,7 +225,7 @@ class Upload:
             if not index.listed:  # first contact with this store: fail fast and clearly
                 self.run_store.store.check_reachable()
             self._index = index  # set first: a failure below must remove the marker
-            index.sync(self.run_store, catalog.begin_save(self.run_store, self.save_id, self.rank))
+            catalog.begin_save(self.run_store, self.save_id, self.rank, index=index)
         return self._index
 
     def _submit_waiting(self) -> None:
