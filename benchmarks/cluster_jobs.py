@@ -14,7 +14,7 @@ from . import s3_peers
 from .cluster_topology import read_counters
 from .measure import barrier_time, gather
 from .states import digests, mismatches, tensor_nbytes, transformer_state, zero_
-from .storage import fsspec_reader, fsspec_writer, reset_fsspec_caches
+from .storage import fsspec_reader, fsspec_writer
 
 log = logging.getLogger("benchmarks")
 CT, DCP_FSSPEC, S3TORCH = "ckptturbo", "DCP fsspec", "s3torchconnector"
@@ -51,13 +51,13 @@ def timed(rank: int, counters: dict[str, str], key: str, fn: Any) -> dict[str, A
             "links": links}
 
 
-def _load(rank: int, side: str, url: str, opts: dict[str, Any], sd: dict[str, Any],
+def _load(rank: int, side: str, url: str, reader: Any, sd: dict[str, Any],
           expected: dict[str, str], counters: dict[str, str]) -> tuple[dict[str, Any], bool]:
-    """One whole-state load of ``url`` into zeroed ``sd``: the sample, and whether it is exact."""
+    """One whole-state load of ``url`` into zeroed ``sd`` through ``reader`` (reset to it):
+    the sample, and whether it is exact."""
     zero_(sd)
-    reset_fsspec_caches()
-    reader = _reader(side, url, opts)
-    sample = timed(rank, counters, "store_out", lambda: dcp.load(sd, storage_reader=reader))
+    sample = timed(rank, counters, "store_out",
+                   lambda: dcp.load(sd, storage_reader=reader, checkpoint_id=url))
     exact = not mismatches(sd, expected)
     read = gather(getattr(reader, "bytes_from_storage", None))
     if side == CT:
@@ -70,21 +70,26 @@ def ddp_rank(rank: int, world: int, opts: dict[str, Any], root: str, size: int, 
              counters: dict[str, str], sides: tuple[str, ...], chunk_size: int) -> dict[str, Any]:
     """Every rank holds the same state (DDP): each side saves it, then every rank loads the
     whole of it back; one unmeasured round first, then ``reps`` alternating rounds.
-    ``chunk_size``: ckptturbo's, scaled with the miniature (``Profile.chunk_size``)."""
+    Each side keeps one writer and one reader, reset to each checkpoint, so that its
+    clients are made in the unmeasured round, as a job's are by its later checkpoints
+    (a process's first save is ``first_save``'s measure). ``chunk_size``: ckptturbo's,
+    scaled with the miniature (``Profile.chunk_size``)."""
     s3_peers.peer_environment(opts["client_kwargs"]["endpoint_url"], opts)
     sd = transformer_state(size)
     expected = digests(sd)
     samples: list[dict[str, Any]] = []
     exact = True
     kept = ""
+    first = {side: _url(root, side, -1) for side in sides}
+    writers = {side: _writer(side, first[side], opts, chunk_size) for side in sides}
+    readers = {side: _reader(side, first[side], opts) for side in sides}
     for rep in range(-1, reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):
             url = _url(root, side, rep)
-            reset_fsspec_caches()  # no side inherits another's fsspec clients
-            writer = _writer(side, url, opts, chunk_size)
             saved = timed(rank, counters, "store_in",
-                           lambda w=writer: dcp.save(sd, storage_writer=w))
-            loaded, ok = _load(rank, side, url, opts, sd, expected, counters)
+                          lambda w=writers[side], u=url: dcp.save(sd, storage_writer=w,
+                                                                  checkpoint_id=u))
+            loaded, ok = _load(rank, side, url, readers[side], sd, expected, counters)
             exact &= ok
             kept = url if side == CT else kept  # the newest: what the growth part loads
             if rep >= 0 and rank == 0:
@@ -106,8 +111,9 @@ def grouped_rank(rank: int, world: int, opts: dict[str, Any], url: str, size: in
     if save_first:
         dcp.save(sd, storage_writer=ct.TurboWriter(url, opts, chunk_size=chunk_size))
     samples, exact = [], True
+    reader = _reader(CT, url, opts)  # kept: its clients are made by the unmeasured load
     for rep in range(-1, reps):
-        sample, ok = _load(rank, CT, url, opts, sd, expected, counters)
+        sample, ok = _load(rank, CT, url, reader, sd, expected, counters)
         exact &= ok
         if rep >= 0 and rank == 0:
             samples.append(sample)
