@@ -51,6 +51,7 @@ import posixpath
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +103,21 @@ def begin_save(run: RunStore, save_id: str, rank: int, wait: float = LOCK_WAIT, 
         log.debug("save %s (rank %d) waits for the gc lock %s", save_id, rank,
                   store.url_of(run.gc_lock))  # tests wait for this line, not for a sleep
         time.sleep(LOCK_POLL)
-    listing = store.submit(run.chunk_ids) if index is not None and not index.listed else None
-    gen = generation(run)
-    if gen == "0" and run.own:  # a delete removes the generation with the store: mint anew
-        gen = uuid.uuid4().hex
-        store.put(run.gc_generation, gen.encode())
-    if index is not None:
-        index.sync(run, gen, listing.result() if listing is not None else None)
+    # a thread of its own, not the store's pool: there it could queue behind the uploads
+    # of another save in flight on the same endpoint
+    lister = (ThreadPoolExecutor(1, thread_name_prefix="ckptturbo-listing")
+              if index is not None and not index.listed else None)
+    listing = lister.submit(run.chunk_ids) if lister is not None else None
+    try:
+        gen = generation(run)
+        if gen == "0" and run.own:  # a delete removes the generation with the store: mint anew
+            gen = uuid.uuid4().hex
+            store.put(run.gc_generation, gen.encode())
+        if index is not None:
+            index.sync(run, gen, listing.result() if listing is not None else None)
+    finally:
+        if lister is not None:  # its thread is joined unless a failure left it listing
+            lister.shutdown(wait=listing is not None and listing.done())
     return gen
 
 
