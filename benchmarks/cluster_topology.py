@@ -28,9 +28,9 @@ from ckptturbo.chunks import DEFAULT_CHUNK_SIZE
 from ckptturbo.testing import netns
 
 from .cluster_store import Store
+from .states import MiB
 
 log = logging.getLogger("benchmarks")
-MiB = 1 << 20
 MB = 1e6  # rates are in decimal units, as links are sold
 # What of a link's rate carries payload: a full TCP segment (1,448 bytes with timestamps)
 # travels in 1,514 bytes of Ethernet, IP and TCP, and the shaper counts them all
