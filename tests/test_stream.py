@@ -41,6 +41,7 @@ class CountingS3(s3fs.S3FileSystem):
     protocol = ("counts3",)
     calls: collections.Counter = collections.Counter()
     nbytes = 0
+    from_start: list[str] = []  # files read from their first byte (header GETs)
 
     async def _call_s3(self, method, *args, **kwargs):
         CountingS3.calls[method] += 1
@@ -49,12 +50,15 @@ class CountingS3(s3fs.S3FileSystem):
     async def _cat_file(self, *args, **kwargs):
         data = await super()._cat_file(*args, **kwargs)
         CountingS3.nbytes += len(data)
+        if kwargs.get("start") in (0, None) and str(args[0]).endswith(".safetensors"):
+            CountingS3.from_start.append(os.path.basename(str(args[0])))
         return data
 
     @classmethod
     def reset(cls) -> None:
         cls.calls.clear()
         cls.nbytes = 0
+        cls.from_start = []
 
 
 fsspec.register_implementation("counts3", CountingS3, clobber=True)
@@ -714,7 +718,8 @@ def _rank_stream(rank: int, world: int, url: str, options: dict, limit: int | No
     digests = [(name, t.dtype, tuple(t.shape), raw(t).sum().item(), raw(t)[::97].tolist())
                for name, t in stream]
     return {"digests": digests, "bytes_fetched": stream.stats["bytes_fetched"],
-            "wire_bytes": CountingS3.nbytes, "peak": stream.stats["peak_bytes_held"]}
+            "wire_bytes": CountingS3.nbytes, "peak": stream.stats["peak_bytes_held"],
+            "headers": sorted(CountingS3.from_start)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -734,3 +739,63 @@ def test_read_once_across_ranks(s3_server, tmp_path, world):
     index = os.path.getsize(tmp_path / "m" / "model.safetensors.index.json")
     assert sum(r["wire_bytes"] for r in results) == size + index  # counted on the wire
     assert all(r["bytes_fetched"] > 0 for r in results)  # and the reading was shared
+    # each file's header is fetched once, by the rank its place in the list spreads it to
+    # (2 files on 4 ranks: ranks 0 and 2), not every header by rank 0
+    names = sorted(p.name for p in (tmp_path / "m").glob("*.safetensors"))
+    assert [r["headers"] for r in results] == [
+        [n for i, n in enumerate(names) if i * world // len(names) == rank]
+        for rank in range(world)]
+
+
+def _rank_stream_error(rank: int, world: int, url: str, options: dict) -> tuple[str, str]:
+    import torch.distributed as dist
+
+    try:
+        list(stream_safetensors(url, storage_options=options, process_group=dist.group.WORLD))
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+def test_a_header_another_rank_cannot_read_fails_every_rank(s3_server, tmp_path):
+    """The second file's header is rank 1's to fetch: its error reaches rank 0 too, in
+    bounded time, naming the rank and the file."""
+    sharded_model(str(tmp_path / "m"), nshards=2, per_shard=2, size=40_000)
+    second = tmp_path / "m" / "model-00002-of-00002.safetensors"
+    second.write_bytes((10 ** 12).to_bytes(8, "little") + b"{}" + b"\0" * 100)
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    results = run_distributed(_rank_stream_error, 2, url, s3_server.storage_options, timeout=120)
+    assert [name for name, _ in results] == ["FormatError", "FormatError"]
+    assert all("model-00002-of-00002.safetensors" in message for _, message in results)
+    assert results[0][1].startswith("rank 1 failed to read a header: ")
+
+
+def _rank_digests(rank: int, world: int, url: str, options: dict) -> list:
+    import torch.distributed as dist
+
+    return [(name, raw(t).sum().item()) for name, t in
+            stream_safetensors(url, storage_options=options, process_group=dist.group.WORLD)]
+
+
+def test_a_file_the_index_leaves_out_may_be_broken_across_ranks(s3_server, tmp_path):
+    """Headers are fetched for the directory's files while rank 0 reads the index: a file
+    the index leaves out is dropped, even when its header cannot be read (rank 0 fetches
+    it here, as the first of three candidates on two ranks)."""
+    sharded_model(str(tmp_path / "m"), nshards=2, per_shard=2, size=40_000)
+    (tmp_path / "m" / "extra.safetensors").write_bytes(b"\xff" * 64)
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    expected = [(name, raw(t).sum().item()) for name, t in stream_safetensors(str(tmp_path / "m"))]
+    assert run_distributed(_rank_digests, 2, url, s3_server.storage_options,
+                           timeout=120) == [expected, expected]
+
+
+def test_an_index_rank_0_cannot_read_fails_every_rank(s3_server, tmp_path):
+    """Rank 0 has sent the candidate files before it reads the index: its failure there
+    still reaches every rank, which raise the same kind of error."""
+    sharded_model(str(tmp_path / "m"), nshards=2, per_shard=2, size=40_000)
+    (tmp_path / "m" / "model.safetensors.index.json").write_text("{not json")
+    url = upload_dir(s3_server, str(tmp_path / "m"))
+    results = run_distributed(_rank_stream_error, 2, url, s3_server.storage_options, timeout=120)
+    assert [name for name, _ in results] == ["FormatError", "FormatError"]
+    assert "not valid JSON" in results[0][1]
+    assert results[1][1].startswith("rank 0 failed to list the model: ")

@@ -1,13 +1,19 @@
 """Read once across ranks: each range is read from storage by one rank and chain-broadcast.
 
 When N ranks load the same model, reading it N times makes storage the bottleneck and
-multiplies the bill. Here rank 0 lists the files and fetches the headers (once), and
-sends the description to the others; every rank then cuts the same reads, and the
-read-once engine (:mod:`ckptturbo.readonce`) gives each one reader, balanced by bytes
-within each batch by :func:`ckptturbo.plan.plan_reads` so all ranks read at once, and
-forwards it along a chain of all ranks. Every rank yields every tensor, in the same
-order, while storage serves each byte once (ranges inside rank 0's header GETs are
-headed by rank 0 and forwarded from those bytes).
+multiplies the bill. Here rank 0 lists the files (once) and sends the list to the
+others; the ranks fetch the headers, each a share of the files spread over the group, and
+exchange them; every rank then cuts the same reads, and the read-once engine
+(:mod:`ckptturbo.readonce`) gives each one reader, balanced by bytes within each batch by
+:func:`ckptturbo.plan.plan_reads` so all ranks read at once, and forwards it along a
+chain of all ranks. Every rank yields every tensor, in the same order, while storage
+serves each byte once (ranges inside a header GET are headed by the rank that made it
+and forwarded from those bytes).
+
+Headers are spread because no rank reads data before every header is known: a model of
+many files described by rank 0 alone waits on one node's link and its ``streams``
+requests (a 163-file model's header GETs in ten rounds), and the probes' data tails are
+bytes one node reads while the others wait.
 
 Memory: reads move in batches of about an eighth of ``memory_limit``. Before a batch the
 engine reserves its bytes in the stream's budget (waiting for the consumer to free
@@ -22,12 +28,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..errors import CkptTurboError
 from ..groups import host_transport_group
 from ..plan import ChainAssignment, ReadNeed, plan_reads
 from ..prefetch import MemoryBudget, Read
@@ -42,6 +50,9 @@ BROADCAST_INFLIGHT = 2
 BROADCAST_TIMEOUT = 300.0
 BROADCAST_PIECE_MIN, BROADCAST_PIECE_MAX = 1 << 20, 8 << 20
 UNBOUNDED = 1 << 62  # head reads are reserved per batch, not again by the prefetcher
+WeightMap = dict[str, str] | None  # an index's tensor -> file map
+Listing = tuple[list[FileEntry], WeightMap]
+Announce = Callable[[list[FileEntry]], None]  # called by rank 0 with the candidate files
 
 
 def stream_group(group: Any) -> tuple[Any, int]:
@@ -54,37 +65,110 @@ def stream_group(group: Any) -> tuple[Any, int]:
     return transport, dist.get_world_size(transport)
 
 
-def describe_collectively(group: Any, describe: Callable[[], list[StreamFile]],
-                          source: ByteSource) -> list[StreamFile]:
-    """Rank 0 lists and reads headers (``describe``); the others get its result (or its error)."""
-    payload: dict[str, Any] = {}
-    files: list[StreamFile] = []
-    failure: Exception | None = None
-    if dist.get_rank(group) == 0:
+def header_rank(index: int, files: int, world: int) -> int:
+    """The rank that fetches the header of file ``index`` of ``files``: the files spread
+    evenly over the ranks in order (4 files on 8 ranks: ranks 0, 2, 4, 6; 16 on 8: two
+    each), so that where ranks fill nodes in order the header GETs spread over the nodes."""
+    return index * world // files
+
+
+def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing],
+                          header: Callable[[FileEntry], StreamFile], source: ByteSource,
+                          submit: Callable[..., Future], budget: MemoryBudget,
+                          ) -> tuple[list[StreamFile], WeightMap]:
+    """Rank 0 lists the files (``list_entries``) and sends the candidates as soon as it
+    knows them: a directory's files before its index is read (``list_entries`` calls the
+    announce it is given), else the final list. Each rank fetches the headers of its share
+    of the candidates (``header``, on ``submit``; see :func:`header_rank`) while rank 0
+    reads the index; then every rank gets every header and rank 0's final list (the files
+    an index selects). A rank's own files keep their header GETs' data tails (reserved in
+    ``budget``; released for files the index leaves out). A failure on any rank (listing,
+    a header) is raised on every rank."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    announced: list[dict[str, Any]] = []  # what rank 0 broadcast
+    candidates: list[FileEntry] = []
+    futures: dict[int, Future] = {}
+
+    def start(entries: list[FileEntry]) -> None:
+        """This rank's header GETs of the candidates, started."""
+        candidates.extend(entries)
+        source.register(entries)
+        futures.update((i, submit(header, e)) for i, e in enumerate(entries)
+                       if header_rank(i, len(entries), world) == me)
+
+    def announce(entries: list[FileEntry]) -> None:
+        announced.append({"entries": [(e.path, e.size, e.mtime) for e in entries]})
+        dist.broadcast_object_list(announced[-1:], group_src=0, group=group)
+        start(entries)  # rank 0's share goes out while it reads the index
+
+    listing: Listing | None = None
+    failure: Exception | None = None  # rank 0's listing
+    error: tuple[str, str, str] | None = None  # (what failed, exception name, message)
+    if me == 0:
         try:
-            files = describe()
-            payload = {"files": [(f.entry.path, f.entry.size, f.entry.mtime, f.raw) for f in files]}
+            listing = list_entries(announce)
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then re-raised
-            payload, failure = {"error": (type(exc).__name__, str(exc))}, exc
-    obj = [payload]
-    dist.broadcast_object_list(obj, group_src=0, group=group)
-    if failure is not None:
-        raise failure
-    payload = obj[0]
-    if "error" in payload:
-        name, message = payload["error"]
-        cls = getattr(errors, name, errors.CkptTurboError)
-        if not (isinstance(cls, type) and issubclass(cls, errors.CkptTurboError)):
-            cls = errors.CkptTurboError
-        raise cls(f"rank 0 failed to describe the model: {message}")
-    if files:
-        return files
-    out = []
-    for path, size, mtime, raw in payload["files"]:
-        entry = FileEntry(path, size, mtime)
-        out.append(StreamFile(entry, parse_header(raw, source.url_of(entry), file_size=size), raw))
-    source.register([f.entry for f in out])
-    return out
+            failure, error = exc, ("list the model", type(exc).__name__, str(exc))
+            if not announced:  # the others wait for the candidates: send the error instead
+                dist.broadcast_object_list([{"error": error}], group_src=0, group=group)
+                raise
+        if not announced and listing is not None:
+            announce(listing[0])
+    else:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        if "error" in box[0]:
+            raise _remote_error(box[0]["error"], 0)
+        start([FileEntry(*e) for e in box[0]["entries"]])
+    fetched: dict[int, StreamFile] = {}
+    failed: dict[int, Exception] = {}
+    for i, fut in futures.items():
+        try:
+            fetched[i] = fut.result()
+        except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then re-raised
+            failed[i] = exc
+    final = None if listing is None else ([e.path for e in listing[0]], listing[1])
+    sent = ({i: (f.raw, f.probe_end if f.tail else 0) for i, f in fetched.items()},
+            {i: ("read a header", type(e).__name__, str(e)) for i, e in failed.items()},
+            error, final)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, sent, group=group)
+    at = {e.path: i for i, e in enumerate(candidates)}
+    # within the candidates (an index names listed files); a header of a file the index
+    # leaves out may fail: that file is not read
+    chosen = [] if gathered[0][2] is not None else [at[path] for path in gathered[0][3][0]]
+    for i, f in fetched.items():  # the tails of files that will not be read
+        if f.tail and i not in chosen:
+            budget.release(len(f.tail))
+    if gathered[0][2] is not None:  # rank 0 failed to list, after announcing the candidates
+        if failure is not None:
+            raise failure
+        raise _remote_error(gathered[0][2], 0)
+    for i in chosen:
+        if i in failed:
+            raise failed[i]
+        for rank, (_, errors_of, _, _) in enumerate(gathered):
+            if i in errors_of:
+                raise _remote_error(errors_of[i], rank)
+    described = {i: (rank, raw, end) for rank, (part, *_) in enumerate(gathered)
+                 for i, (raw, end) in part.items()}
+    files = []
+    for i in chosen:
+        rank, raw, end = described[i]
+        f = fetched.get(i) or StreamFile(candidates[i], parse_header(
+            raw, source.url_of(candidates[i]), file_size=candidates[i].size), raw)
+        f.held = (rank, end) if end else None
+        files.append(f)
+    return files, gathered[0][3][1]
+
+
+def _remote_error(error: tuple[str, str, str], rank: int) -> CkptTurboError:
+    """Another rank's failure, as ckptturbo's exception of the same name where there is one."""
+    what, name, message = error
+    cls = getattr(errors, name, CkptTurboError)
+    if not (isinstance(cls, type) and issubclass(cls, CkptTurboError)):
+        cls = CkptTurboError
+    return cls(f"rank {rank} failed to {what}: {message}")
 
 
 def broadcast_piece(reads: Sequence[Read], piece: int) -> int:
@@ -98,6 +182,11 @@ def broadcast_piece(reads: Sequence[Read], piece: int) -> int:
     return max(1, min(piece, BROADCAST_PIECE_MAX, max(BROADCAST_PIECE_MIN, largest // 4)))
 
 
+def _from(head: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The chain of all ``ranks`` (ascending) that starts at ``head``: a rotation."""
+    return ranks[head:] + ranks[:head]
+
+
 def _key(read: Read) -> str:
     return f"{read.index:012d}"  # sorts like the index: plan_reads orders by key
 
@@ -106,11 +195,14 @@ class ReadOnceFeed:
     """Fills every rank's reads: its own from storage, the others' from peers.
 
     Serves the stream like a prefetcher (``at_file``/``wait``/``release``/``close``).
-    ``tails`` (rank 0 only) are reads already held from header GETs, reserved in budget.
+    ``tails`` are the reads this rank already holds from its header GETs, reserved in
+    budget; ``heads`` gives every such read of every rank (read index -> the rank that
+    holds it and heads its chain; the same on every rank).
     """
 
     def __init__(self, group: Any, reads: list[Read], source: ByteSource, budget: MemoryBudget,
-                 piece: int, streams: int, tails: dict[int, bytes]) -> None:
+                 piece: int, streams: int, tails: dict[int, bytes],
+                 heads: dict[int, int]) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.budget = budget
@@ -121,7 +213,7 @@ class ReadOnceFeed:
         self.static = BROADCAST_INFLIGHT * piece  # the broadcaster's assembly buffers
         # limit = tails (1/4) + broadcaster (2 pieces = 1/4) + CUDA staging (<= 1/4)
         #         + one batch delivered (<= 1/8)
-        batches = self._batches(reads, max(piece, budget.limit // 8), self._tail_heads())
+        batches = self._batches(reads, max(piece, budget.limit // 8), heads)
         self.engine = ReadOnce(
             batches, group=group, fetch=self._fetch, deliver=self._deliver, done=self._done,
             submit=source.store.submit, budget=MemoryBudget(UNBOUNDED), streams=streams,
@@ -129,16 +221,11 @@ class ReadOnceFeed:
             settings=ChainSettings(broadcast_piece(reads, piece), BROADCAST_INFLIGHT,
                                    BROADCAST_TIMEOUT))
 
-    def _tail_heads(self) -> set[int]:
-        """Only rank 0 knows which reads it serves from its header GETs: it tells the others."""
-        obj = [sorted(self.tails)]
-        dist.broadcast_object_list(obj, group_src=0, group=self.group)
-        return set(obj[0])
-
     def _batches(self, reads: list[Read], batch_bytes: int,
-                 tail_heads: set[int]) -> list[list[ChainAssignment]]:
+                 tail_heads: dict[int, int]) -> list[list[ChainAssignment]]:
         """Consecutive reads of about ``batch_bytes``, each batch balanced over the ranks;
-        reads inside rank 0's header GETs are headed by rank 0. The same on every rank."""
+        a read inside a header GET is headed by the rank that made it. The same on every
+        rank."""
         everyone = tuple(range(self.world))
         groups: list[list[Read]] = []
         size = batch_bytes
@@ -150,7 +237,7 @@ class ReadOnceFeed:
             size += r.size
         batches = []
         for group in groups:
-            fixed = [ChainAssignment(_key(r), r.size, everyone)
+            fixed = [ChainAssignment(_key(r), r.size, _from(tail_heads[r.index], everyone))
                      for r in group if r.index in tail_heads]
             needs = [ReadNeed(_key(r), r.size, everyone)
                      for r in group if r.index not in tail_heads]

@@ -19,9 +19,10 @@ from .source import ByteSource, FileEntry
 
 MiB = 1 << 20
 HEADER_PROBE = 1 * MiB  # first GET per file: holds the whole header of almost every model
-# With a process group rank 0 alone fetches the headers, and no rank reads data until it
-# has sent them: the probe's data tail is bytes one node reads while the others wait, so
-# the probe is no larger than a large header (a few thousand tensors' entries).
+# With a process group each rank fetches the headers of its share of the files, and no
+# rank reads data until every header is known: a probe's data tail is bytes a few nodes
+# read while the others wait, so the probe is no larger than a large header (a few
+# thousand tensors' entries).
 GROUP_HEADER_PROBE = 256 << 10
 
 
@@ -31,8 +32,11 @@ class StreamFile:
 
     entry: FileEntry
     header: Header
-    raw: bytes  # the header's JSON bytes, as stored (rank 0 sends them to the others)
+    raw: bytes  # the header's JSON bytes, as stored (sent to the other ranks)
     tail: bytes | None = None  # bytes [data_start, probe_end) from the header GET
+    # read once across ranks: the rank that made this file's header GET and the end of the
+    # data tail it kept (None: none kept); that rank heads the reads inside the tail
+    held: tuple[int, int] | None = None
 
     @property
     def probe_end(self) -> int:
@@ -93,15 +97,23 @@ def tail_slices(f: StreamFile, reads: Sequence[Read], source: ByteSource,
     if f.tail is None:
         return []
     served = []
-    for r in reads:
-        if r.end > f.probe_end:
-            break
+    for r in leading_reads(reads, f.probe_end):
         lo = r.start - f.header.data_start
         served.append((r, f.tail[lo:lo + r.size]))
         source.remember_range(f.entry, r.start, served[-1][1])
     budget.release(len(f.tail) - sum(r.size for r, _ in served))
     f.tail = None
     return served
+
+
+def leading_reads(reads: Sequence[Read], end: int) -> list[Read]:
+    """The leading reads of a file's ``reads`` that end by ``end`` (a kept tail's end)."""
+    out = []
+    for r in reads:
+        if r.end > end:
+            break
+        out.append(r)
+    return out
 
 
 def open_file(source: ByteSource, max_header_size: int,

@@ -45,7 +45,14 @@ from .cache import DiskCache
 from .device import Destination, Scatter, covering, land
 from .distributed import ReadOnceFeed, describe_collectively, stream_group
 from .format import TensorInfo, torch_dtype
-from .headers import GROUP_HEADER_PROBE, HEADER_PROBE, StreamFile, fetch_header, tail_slices
+from .headers import (
+    GROUP_HEADER_PROBE,
+    HEADER_PROBE,
+    StreamFile,
+    fetch_header,
+    leading_reads,
+    tail_slices,
+)
 from .options import StreamOptions
 from .ranges import cut_reads
 from .source import ByteSource, FileEntry, list_files, open_store
@@ -106,10 +113,14 @@ class SafetensorsStream:
         self._waiter: Waiter | None = None
         self._scatter: Scatter | None = None
         self._started = False
+        self._tail_heads: dict[int, int] = {}  # distributed: read index -> the rank holding it
         try:
             if self._dist:
-                self.files = describe_collectively(self._group, lambda: self._describe(spec),
-                                                   self.source)
+                self.files, weight_map = describe_collectively(
+                    self._group,
+                    lambda announce: list_files(self.source, spec, opts.cache_validate, announce),
+                    self._header, self.source, store.submit, self.budget)
+                _check_weight_map(self.files, weight_map, self.source)
             else:
                 self.files = self._describe(spec)
             self._wanted = self._select(opts.names)
@@ -129,23 +140,25 @@ class SafetensorsStream:
         is read, not after: one round trip less before data flows (20 ms of a 0.6 s
         load through the benchmark's proxy); those of files the index leaves out are
         dropped."""
-        store, budget, max_header = self.source.store, self.budget, self.options.max_header_size
+        store = self.source.store
         started: dict[str, Future[StreamFile]] = {}
 
-        def header(entry: FileEntry) -> StreamFile:
-            return fetch_header(self.source, entry, self.probe, max_header, budget)
-
         def early(entries: list[FileEntry]) -> None:
-            started.update((e.path, store.submit(header, e)) for e in entries)
+            started.update((e.path, store.submit(self._header, e)) for e in entries)
 
         try:
             entries, weight_map = list_files(self.source, spec, self.options.cache_validate, early)
             files = all_results([started.pop(e.path) if e.path in started
-                                 else store.submit(header, e) for e in entries])
+                                 else store.submit(self._header, e) for e in entries])
         finally:
-            _drop_unused(started.values(), budget)
+            _drop_unused(started.values(), self.budget)
         _check_weight_map(files, weight_map, self.source)
         return files
+
+    def _header(self, entry: FileEntry) -> StreamFile:
+        """``entry`` with its header, from one GET of ``probe`` bytes (its data tail kept)."""
+        return fetch_header(self.source, entry, self.probe, self.options.max_header_size,
+                            self.budget)
 
     def _select(self, names: Sequence[str] | None) -> list[list[TensorInfo]]:
         """The tensors to yield, per file; fails before any data moves if one cannot be."""
@@ -167,11 +180,16 @@ class SafetensorsStream:
     def _keep_tails(self) -> dict[int, bytes]:
         """Serve the reads inside each kept header-GET tail from its bytes (see headers).
 
-        Alone, those reads are filled now; distributed, rank 0 heads them and forwards
-        these bytes (returned by read index, still reserved)."""
+        Alone, those reads are filled now; distributed, the rank that made the header
+        GET heads them and forwards these bytes (returned by read index, still reserved),
+        and every rank knows from the headers' exchange which rank heads each
+        (``_tail_heads``), with no collective of its own."""
         tails: dict[int, bytes] = {}
         data: bytes | bytearray
         for f, reads in zip(self.files, self._reads, strict=True):
+            if f.held is not None:
+                self._tail_heads.update((r.index, f.held[0])
+                                        for r in leading_reads(reads, f.held[1]))
             for r, data in tail_slices(f, reads, self.source, self.budget):
                 if self._dist:
                     tails[r.index] = data
@@ -199,7 +217,7 @@ class SafetensorsStream:
         flat = [r for reads in self._reads for r in reads]
         if self._dist:
             feed = ReadOnceFeed(self._group, flat, self.source, self.budget, self.piece,
-                                self.profile.streams, self._tails)
+                                self.profile.streams, self._tails, self._tail_heads)
             self._waiter = feed
             feed.start()
             return feed
