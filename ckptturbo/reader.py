@@ -44,7 +44,7 @@ from .manifest_records import ShardRecord
 from .plan import ReadNeed, chunks_touched, plan_readers
 from .plan.digests import PlanDigest
 from .prefetch import MemoryBudget, Prefetcher, Read
-from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce
+from .readonce import Arrivals, ChainSettings, RankBatch, ReadOnce, chain_piece
 from .runs import Location
 from .runtime import Runtime, resolve, wait_for_saves
 from .staging import DeviceCopier, as_uint8
@@ -96,7 +96,9 @@ class TurboReader(StorageReader):
             cache, which is faster than forwarding. True forces it (e.g. a shared network
             file system mounted as a local path).
         read_ahead_bytes: how many fetched-but-unconsumed bytes a rank may hold.
-        piece_size: forwarding unit of the chain broadcast.
+        piece_size: the largest forwarding unit of the chain broadcast: chains forward
+            chunks in pieces of a quarter of the largest chunk, within [512 KiB,
+            piece_size] (``readonce.chain_piece``).
         timeout: seconds before a silent peer makes every rank fail.
         process_group: the group DCP loads with (default: the world).
         transport: how forwarded chunks travel. "auto": as CUDA tensors over
@@ -280,7 +282,8 @@ class TurboReader(StorageReader):
         if not self._broadcasting() or len(plans) < 2:
             return [dataclasses.replace(p, storage_data=None)
                     if isinstance(p.storage_data, LocalReads) else p for p in plans]
-        settings = ChainSettings(self.piece_size)
+        settings = ChainSettings(chain_piece(max(self._chunk_sizes.values(), default=0),
+                                             self.piece_size))
         groups = self._read_plan(plans, settings)
         chained = any((g.starts != LOCAL).any() for g in groups)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None

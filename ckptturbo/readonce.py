@@ -78,6 +78,24 @@ Deliver = Callable[[str, torch.Tensor], None]
 Check = Callable[[str, memoryview], None]
 
 
+PIECE_FLOOR = 512 << 10
+
+
+def chain_piece(largest: int, cap: int) -> int:
+    """The pieces chains forward units in: a quarter of the ``largest`` unit, within
+    [512 KiB, ``cap``] (``cap``, the caller's ``piece_size``, wins below the floor).
+
+    A head forwards a unit once it has all of it, and a chain of L ranks delivers a unit of
+    n pieces after n + L - 1 piece-steps, so a unit of one piece crosses every hop whole,
+    one hop after the other; smaller pieces pipeline the hops but pay each step's
+    per-message cost. Measured on the cluster benchmark's 8 ranks over 4 nodes (250 MB/s
+    links; 32 units of 2 MiB to every rank, 0.28 s on the wire): 0.66 s in whole units,
+    0.59 s in 1 MiB pieces, 0.50 s in 512 KiB; its grouped load of 2 MiB chunks over 4
+    nodes, 4.42 s in whole chunks and 4.27 s in 512 KiB pieces. A 64 MiB chunk keeps the
+    default 8 MiB."""
+    return max(1, min(cap, max(PIECE_FLOOR, largest // 4)))
+
+
 @dataclass(frozen=True)
 class ChainSettings:
     """How units travel; every rank must use the same (the broadcaster checks)."""

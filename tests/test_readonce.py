@@ -11,6 +11,7 @@ import ckptturbo as ct
 from ckptturbo.broadcast import ChainBroadcaster
 from ckptturbo.broadcast_schedule import Transfer, source_order
 from ckptturbo.prefetch import MemoryBudget, Prefetcher, Read
+from ckptturbo.readonce import chain_piece
 from ckptturbo.testing.launcher import run_distributed
 
 
@@ -69,3 +70,16 @@ def test_source_order_is_the_order_the_broadcaster_pulls_sources() -> None:
         assert order == want
         non_monotone |= want != sorted(want)
     assert non_monotone  # the case the order exists for was exercised
+
+
+def test_chains_forward_small_units_in_pieces_and_large_ones_in_the_callers():
+    """A quarter of the largest unit, within [512 KiB, piece_size]: a 2 MiB chunk goes in
+    four pieces (it used to cross every hop whole), a 64 MiB one in 8 MiB pieces as before,
+    and a caller's smaller piece_size stays."""
+    KiB, MiB = 1 << 10, 1 << 20
+    assert chain_piece(2 * MiB, 8 * MiB) == 512 * KiB
+    assert chain_piece(64 * MiB, 8 * MiB) == 8 * MiB
+    assert chain_piece(16 * MiB, 8 * MiB) == 4 * MiB
+    assert chain_piece(100 * KiB, 8 * MiB) == 512 * KiB
+    assert chain_piece(0, 8 * MiB) == 512 * KiB
+    assert chain_piece(2 * MiB, 16 * KiB) == 16 * KiB

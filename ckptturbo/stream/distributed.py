@@ -39,7 +39,7 @@ from ..errors import CkptTurboError
 from ..groups import host_transport_group
 from ..plan import ChainAssignment, ReadNeed, plan_reads
 from ..prefetch import MemoryBudget, Read
-from ..readonce import ChainSettings, ReadOnce
+from ..readonce import ChainSettings, ReadOnce, chain_piece
 from ..runtime import default_runtime
 from .format import parse_header
 from .headers import StreamFile
@@ -48,7 +48,7 @@ from .source import ByteSource, FileEntry
 log = logging.getLogger(__name__)
 BROADCAST_INFLIGHT = 2
 BROADCAST_TIMEOUT = 300.0
-BROADCAST_PIECE_MIN, BROADCAST_PIECE_MAX = 1 << 20, 8 << 20
+BROADCAST_PIECE_MAX = 8 << 20
 UNBOUNDED = 1 << 62  # head reads are reserved per batch, not again by the prefetcher
 WeightMap = dict[str, str] | None  # an index's tensor -> file map
 Listing = tuple[list[FileEntry], WeightMap]
@@ -171,17 +171,6 @@ def _remote_error(error: tuple[str, str, str], rank: int) -> CkptTurboError:
     return cls(f"rank {rank} failed to {what}: {message}")
 
 
-def broadcast_piece(reads: Sequence[Read], piece: int) -> int:
-    """The pieces chains forward reads in: about a quarter of the largest read, within
-    [1 MiB, 8 MiB] (and ``piece``). A head forwards a read once it has all of it, and a
-    chain of L ranks delivers a read of n pieces after n + L - 1 piece-steps: a read of one
-    piece crosses every hop whole, one after the other (a 4 MiB read down 8 ranks of a
-    250 MB/s fabric: 0.11 s, against 0.04 s in 1 MiB pieces); smaller pieces than 1 MiB
-    cost more per-message overhead than they save."""
-    largest = max((r.size for r in reads), default=0)
-    return max(1, min(piece, BROADCAST_PIECE_MAX, max(BROADCAST_PIECE_MIN, largest // 4)))
-
-
 def _from(head: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
     """The chain of all ``ranks`` (ascending) that starts at ``head``: a rotation."""
     return ranks[head:] + ranks[:head]
@@ -218,8 +207,10 @@ class ReadOnceFeed:
             batches, group=group, fetch=self._fetch, deliver=self._deliver, done=self._done,
             submit=source.store.submit, budget=MemoryBudget(UNBOUNDED), streams=streams,
             reserve=self._reserve,
-            settings=ChainSettings(broadcast_piece(reads, piece), BROADCAST_INFLIGHT,
-                                   BROADCAST_TIMEOUT))
+            settings=ChainSettings(
+                chain_piece(max((r.size for r in reads), default=0),
+                            min(piece, BROADCAST_PIECE_MAX)),
+                BROADCAST_INFLIGHT, BROADCAST_TIMEOUT))
 
     def _batches(self, reads: list[Read], batch_bytes: int,
                  tail_heads: dict[int, int]) -> list[list[ChainAssignment]]:
