@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ UNBOUNDED = 1 << 62  # head reads are reserved per batch, not again by the prefe
 WeightMap = dict[str, str] | None  # an index's tensor -> file map
 Listing = tuple[list[FileEntry], WeightMap]
 Announce = Callable[[list[FileEntry]], None]  # called by rank 0 with the candidate files
+Failure = tuple[str, str, str]  # what failed, the exception's name, its message
 
 
 def stream_group(group: Any) -> tuple[Any, int]:
@@ -72,6 +73,15 @@ def header_rank(index: int, files: int, world: int) -> int:
     return index * world // files
 
 
+class _Described(NamedTuple):
+    """What each rank sends in the headers' exchange."""
+
+    headers: dict[int, tuple[bytes, int]]  # candidate -> (its header, its kept tail's end or 0)
+    failed: dict[int, Failure]  # candidate -> why its header could not be read
+    listing_failed: Failure | None  # rank 0's, after it had sent the candidates
+    final: tuple[list[str], WeightMap] | None  # rank 0's: the paths of the files read, the map
+
+
 def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing],
                           header: Callable[[FileEntry], StreamFile], source: ByteSource,
                           submit: Callable[..., Future], budget: MemoryBudget,
@@ -85,9 +95,9 @@ def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing
     ``budget``; released for files the index leaves out). A failure on any rank (listing,
     a header) is raised on every rank."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    announced: list[dict[str, Any]] = []  # what rank 0 broadcast
     candidates: list[FileEntry] = []
     futures: dict[int, Future] = {}
+    announced: list[bool] = []  # rank 0: the candidates are sent (there may be none)
 
     def start(entries: list[FileEntry]) -> None:
         """This rank's header GETs of the candidates, started."""
@@ -97,20 +107,21 @@ def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing
                        if header_rank(i, len(entries), world) == me)
 
     def announce(entries: list[FileEntry]) -> None:
-        announced.append({"entries": [(e.path, e.size, e.mtime) for e in entries]})
-        dist.broadcast_object_list(announced[-1:], group_src=0, group=group)
+        dist.broadcast_object_list([{"entries": [(e.path, e.size, e.mtime) for e in entries]}],
+                                   group_src=0, group=group)
+        announced.append(True)
         start(entries)  # rank 0's share goes out while it reads the index
 
     listing: Listing | None = None
-    failure: Exception | None = None  # rank 0's listing
-    error: tuple[str, str, str] | None = None  # (what failed, exception name, message)
+    failure: Exception | None = None  # rank 0's listing's
     if me == 0:
         try:
             listing = list_entries(announce)
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then re-raised
-            failure, error = exc, ("list the model", type(exc).__name__, str(exc))
+            failure = exc
             if not announced:  # the others wait for the candidates: send the error instead
-                dist.broadcast_object_list([{"error": error}], group_src=0, group=group)
+                dist.broadcast_object_list([{"error": _failure(exc, "list the model")}],
+                                           group_src=0, group=group)
                 raise
         if not announced and listing is not None:
             announce(listing[0])
@@ -127,42 +138,42 @@ def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing
             fetched[i] = fut.result()
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then re-raised
             failed[i] = exc
-    final = None if listing is None else ([e.path for e in listing[0]], listing[1])
-    sent = ({i: (f.raw, f.probe_end if f.tail else 0) for i, f in fetched.items()},
-            {i: ("read a header", type(e).__name__, str(e)) for i, e in failed.items()},
-            error, final)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, sent, group=group)
+    mine = _Described({i: (f.raw, f.probe_end if f.tail else 0) for i, f in fetched.items()},
+                      {i: _failure(e, "read a header") for i, e in failed.items()},
+                      None if failure is None else _failure(failure, "list the model"),
+                      None if listing is None else ([e.path for e in listing[0]], listing[1]))
+    described: list[Any] = [None] * world
+    dist.all_gather_object(described, mine, group=group)
+    lead: _Described = described[0]
     at = {e.path: i for i, e in enumerate(candidates)}
-    # within the candidates (an index names listed files); a header of a file the index
-    # leaves out may fail: that file is not read
-    chosen = [] if gathered[0][2] is not None else [at[path] for path in gathered[0][3][0]]
-    for i, f in fetched.items():  # the tails of files that will not be read
-        if f.tail and i not in chosen:
-            budget.release(len(f.tail))
-    if gathered[0][2] is not None:  # rank 0 failed to list, after announcing the candidates
-        if failure is not None:
-            raise failure
-        raise _remote_error(gathered[0][2], 0)
+    # an index names files of the listing; the header of a file it leaves out may fail:
+    # that file is not read
+    chosen = [at[path] for path in lead.final[0]] if lead.final is not None else []
+    for i in fetched.keys() - set(chosen):  # the kept tails of files that will not be read
+        budget.release(len(fetched[i].tail or b""))
+    if lead.listing_failed is not None:  # rank 0 failed after sending the candidates
+        raise failure if failure is not None else _remote_error(lead.listing_failed, 0)
+    files = []
     for i in chosen:
         if i in failed:
             raise failed[i]
-        for rank, (_, errors_of, _, _) in enumerate(gathered):
-            if i in errors_of:
-                raise _remote_error(errors_of[i], rank)
-    described = {i: (rank, raw, end) for rank, (part, *_) in enumerate(gathered)
-                 for i, (raw, end) in part.items()}
-    files = []
-    for i in chosen:
-        rank, raw, end = described[i]
-        f = fetched.get(i) or StreamFile(candidates[i], parse_header(
-            raw, source.url_of(candidates[i]), file_size=candidates[i].size), raw)
+        rank = header_rank(i, len(candidates), world)
+        if i in described[rank].failed:
+            raise _remote_error(described[rank].failed[i], rank)
+        raw, end = described[rank].headers[i]
+        f = fetched[i] if i in fetched else StreamFile(
+            candidates[i], parse_header(raw, source.url_of(candidates[i]),
+                                        file_size=candidates[i].size), raw)
         f.held = (rank, end) if end else None
         files.append(f)
-    return files, gathered[0][3][1]
+    return files, lead.final[1] if lead.final is not None else None
 
 
-def _remote_error(error: tuple[str, str, str], rank: int) -> CkptTurboError:
+def _failure(exc: Exception, what: str) -> Failure:
+    return what, type(exc).__name__, str(exc)
+
+
+def _remote_error(error: Failure, rank: int) -> CkptTurboError:
     """Another rank's failure, as ckptturbo's exception of the same name where there is one."""
     what, name, message = error
     cls = getattr(errors, name, CkptTurboError)
@@ -171,7 +182,7 @@ def _remote_error(error: tuple[str, str, str], rank: int) -> CkptTurboError:
     return cls(f"rank {rank} failed to {what}: {message}")
 
 
-def _from(head: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+def _rotated(ranks: tuple[int, ...], head: int) -> tuple[int, ...]:
     """The chain of all ``ranks`` (ascending) that starts at ``head``: a rotation."""
     return ranks[head:] + ranks[:head]
 
@@ -228,7 +239,7 @@ class ReadOnceFeed:
             size += r.size
         batches = []
         for group in groups:
-            fixed = [ChainAssignment(_key(r), r.size, _from(tail_heads[r.index], everyone))
+            fixed = [ChainAssignment(_key(r), r.size, _rotated(everyone, tail_heads[r.index]))
                      for r in group if r.index in tail_heads]
             needs = [ReadNeed(_key(r), r.size, everyone)
                      for r in group if r.index not in tail_heads]
