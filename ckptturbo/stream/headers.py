@@ -116,6 +116,14 @@ def leading_reads(reads: Sequence[Read], end: int) -> list[Read]:
     return out
 
 
+def tail_heads(files: Sequence[StreamFile], reads: Sequence[Sequence[Read]]) -> dict[int, int]:
+    """Read index -> the rank that serves it from its header GET's kept tail, over every
+    file of a stream read once across ranks (``held``, from the headers' exchange): the
+    same on every rank, with no collective of its own."""
+    return {r.index: f.held[0] for f, file_reads in zip(files, reads, strict=True)
+            if f.held is not None for r in leading_reads(file_reads, f.held[1])}
+
+
 def open_file(source: ByteSource, max_header_size: int,
               submit: Callable[..., Future[Any]] | None = None) -> StreamFile:
     """The store's root object with its header: the HEAD (its size, for the header's

@@ -50,7 +50,7 @@ from .headers import (
     HEADER_PROBE,
     StreamFile,
     fetch_header,
-    leading_reads,
+    tail_heads,
     tail_slices,
 )
 from .options import StreamOptions
@@ -113,7 +113,6 @@ class SafetensorsStream:
         self._waiter: Waiter | None = None
         self._scatter: Scatter | None = None
         self._started = False
-        self._tail_heads: dict[int, int] = {}  # distributed: read index -> the rank holding it
         try:
             if self._dist:
                 self.files, weight_map = describe_collectively(
@@ -181,15 +180,11 @@ class SafetensorsStream:
         """Serve the reads inside each kept header-GET tail from its bytes (see headers).
 
         Alone, those reads are filled now; distributed, the rank that made the header
-        GET heads them and forwards these bytes (returned by read index, still reserved),
-        and every rank knows from the headers' exchange which rank heads each
-        (``_tail_heads``), with no collective of its own."""
+        GET heads them and forwards these bytes (returned by read index, still reserved;
+        every rank knows which rank heads each: ``tail_heads``)."""
         tails: dict[int, bytes] = {}
         data: bytes | bytearray
         for f, reads in zip(self.files, self._reads, strict=True):
-            if f.held is not None:
-                self._tail_heads.update((r.index, f.held[0])
-                                        for r in leading_reads(reads, f.held[1]))
             for r, data in tail_slices(f, reads, self.source, self.budget):
                 if self._dist:
                     tails[r.index] = data
@@ -217,7 +212,8 @@ class SafetensorsStream:
         flat = [r for reads in self._reads for r in reads]
         if self._dist:
             feed = ReadOnceFeed(self._group, flat, self.source, self.budget, self.piece,
-                                self.profile.streams, self._tails, self._tail_heads)
+                                self.profile.streams, self._tails,
+                                tail_heads(self.files, self._reads))
             self._waiter = feed
             feed.start()
             return feed
