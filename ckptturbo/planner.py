@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
+from .agreement import decide
 from .errors import CkptTurboError, PlanError
 from .plan.digests import (
     PlanDigest,
@@ -236,20 +237,16 @@ def _read_key(item: ReadItem) -> tuple[tuple, tuple]:
 
 
 def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bool:
-    """Whether this rank is the first in ``group`` with ``digest``: the group's rank 0
-    gathers every rank's planner ``kind`` (one of ours or not, and its class) and digest
-    and broadcasts the first rank of each digest (the planners' one collective; each rank
-    receives the list of first ranks, not the digests), or, where ours and others mix, why:
-    then every rank raises ``PlanError``."""
+    """Whether this rank is the first in ``group`` with ``digest``: every rank's planner
+    ``kind`` (one of ours or not, and its class) and digest decide the first rank of each
+    digest (the planners' one collective, ``agreement.decide``: on a large group only rank
+    0 sees the digests and the others receive the list of first ranks), or, where ours and
+    others mix, why: then every rank raises ``PlanError``."""
     world = dist.get_world_size(group)
     if world == 1:
         return True
     me = dist.get_rank(group)
-    gathered: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object((kind, digest), gathered, group=group, group_dst=0)
-    box: list[Any] = [_agree(gathered, what) if gathered else None]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    firsts = box[0]
+    firsts = decide(group, (kind, digest), lambda gathered: _agree(gathered, what))
     if isinstance(firsts, str):
         raise PlanError(f"rank {me}: {firsts}")
     at = bisect.bisect_left(firsts, me)
@@ -257,7 +254,7 @@ def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bo
 
 
 def _agree(gathered: list[tuple[tuple[bool, str], str]], what: str) -> list[int] | str:
-    """On the group's rank 0: the sorted first rank of each digest, or the kinds' conflict."""
+    """The sorted first rank of each digest, or the kinds' conflict."""
     conflict = kind_conflict([kind for kind, _ in gathered], what)
     if conflict is not None:
         return conflict

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..agreement import gather
 from ..errors import CkptTurboError
 from ..groups import host_transport_group
 from ..plan import ChainAssignment, ReadNeed, plan_reads
@@ -142,8 +143,7 @@ def describe_collectively(group: Any, list_entries: Callable[[Announce], Listing
                       {i: _failure(e, "read a header") for i, e in failed.items()},
                       None if failure is None else _failure(failure, "list the model"),
                       None if listing is None else ([e.path for e in listing[0]], listing[1]))
-    described: list[Any] = [None] * world
-    dist.all_gather_object(described, mine, group=group)
+    described: list[Any] = gather(group, mine)
     lead: _Described = described[0]
     at = {e.path: i for i, e in enumerate(candidates)}
     # an index names files of the listing; the header of a file it leaves out may fail:
