@@ -32,7 +32,7 @@ def gather(group: Any, value: Any) -> list[Any]:
     broadcasts them all: two hops, where ``all_gather_object``'s two ring all-gathers
     (the sizes, then the padded values) take 2 x (ranks - 1). On the cluster in miniature
     (8 ranks over 4 namespaces on 2 cores) that is 1.7 ms against 24 ms a round, and a
-    tiered load makes four such rounds before DCP's own. A value larger than the slot
+    tiered load makes four such rounds of its own. A value larger than the slot
     takes a second round sized for the largest; larger groups, other backends and tables
     over ``TABLE_BYTES`` take ``all_gather_object``, which never funnels through one rank."""
     if group is None:
@@ -51,7 +51,6 @@ def gather(group: Any, value: Any) -> list[Any]:
     rows = table.numpy()
     return [pickle.loads(rows[rank, _HEADER:_HEADER + n].tobytes())
             for rank, n in enumerate(sizes)]
-
 
 
 def decide(group: Any, value: Any, rule: Callable[[list[Any]], T]) -> T:
@@ -99,6 +98,7 @@ def _through_rank_0(group: Any, world: int, slot: torch.Tensor) -> torch.Tensor:
 
 
 def _ring(group: Any, world: int, value: Any) -> list[Any]:
+    """``gather`` by torch's ring all-gather: no rank carries more than its share."""
     out: list[Any] = [None] * world
     dist.all_gather_object(out, value, group=group)
     return out
