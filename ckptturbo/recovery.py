@@ -24,6 +24,7 @@ import logging
 import os
 import posixpath
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -253,36 +254,94 @@ def recover(session: Runtime, url: str, tiers: Tiers, *, storage_options: dict[s
     """Run ``attempt`` (a load through a reader) on the newest checkpoint the ranks of
     ``group`` can assemble. ``url`` is a checkpoint (only it is tried) or a run (its
     checkpoints in memory and in the durable store are). Raises CheckpointNotFound naming
-    both tiers when none can be assembled."""
+    both tiers when none can be assembled.
+
+    The durable store is asked (by rank 0 alone) while the ranks list their memory tiers
+    and, when those hold checkpoints of the run, while the newest of them loads: its
+    answer (a request through the store's latency) is joined after that load, and only a
+    durable checkpoint newer than the one loaded is then tried. Memory holds the newest
+    checkpoint but where it was evicted, lost with every node that held it, or another
+    job wrote to the durable run; a checkpoint that cannot be assembled fails before a
+    byte of the state is written, so the one loaded stays whole."""
     wait_for_saves(url, under=True)
-    lists_durable = group is None or dist.get_rank(group) == 0
-    found = agree(group, f"listing the tiers of {url}",
-                  lambda: _candidates(session, url, tiers, storage_options, lists_durable))
-    run, names = _agreed_candidates(found)
-    nodes = Nodes(group, tiers.node_name, [f.node for f in found])
-    for name in names:
-        checkpoint = f"{run}/{name}"
-        reader = TieredReader(tiers.memory_url(checkpoint), checkpoint, storage_options,
-                              peers=nodes, session=session, **reader_options)
-        problems = _read_manifests(reader, nodes, [name in f.in_memory for f in found], checkpoint)
-        if any(problems):
-            log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
-            continue
-        try:
-            result = attempt(reader)
-        except BaseException as exc:  # noqa: BLE001 - one kind is skipped, the rest raised
-            error = as_ckptturbo_error(exc, checkpoint, "loading")
-            if not isinstance(error, ChunksUnavailable):
-                raise
-            log.info("skipping %s: %s", checkpoint, error)
-            continue
-        return result, Recovered(checkpoint, reader.manifest_tier or DURABLE,
-                                 reader.bytes_from_storage - reader.bytes_from_durable,
-                                 reader.bytes_from_durable, reader.bytes_from_peers)
-    raise CheckpointNotFound(
-        f"no checkpoint of {run} can be assembled from the memory tiers {tiers.memory_run(run)} "
-        f"of the nodes {', '.join(nodes.order)} or the durable store "
-        f"({len(found[nodes.rank].created)} found on this rank)")
+    first = group is None or dist.get_rank(group) == 0
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptturbo-listing") as lister:
+        durable = (lister.submit(_candidates, session, url, tiers, storage_options, True)
+                   if first else None)
+        found = agree(group, f"listing the memory tiers of {url}",
+                      lambda: _candidates(session, url, tiers, storage_options, False))
+        nodes = Nodes(group, tiers.node_name, [f.node for f in found])
+        load = _Loads(session, tiers, storage_options, nodes, attempt, reader_options)
+        ahead = not any(f.at_url for f in found) and any(f.created for f in found)
+        if not ahead:
+            found = _with_durable(group, found, durable, url)
+        run, names = _agreed_candidates(found)
+        loaded = load.newest(run, names, found)
+        if ahead:  # was the durable store's newest newer than what memory held?
+            found = _with_durable(group, found, durable, url)
+            run, names = _agreed_candidates(found)
+            if loaded is not None and loaded[2] in names:
+                names = names[:names.index(loaded[2])]
+            loaded = load.newest(run, names, found) or loaded
+    if loaded is None:
+        raise CheckpointNotFound(
+            f"no checkpoint of {run} can be assembled from the memory tiers "
+            f"{tiers.memory_run(run)} of the nodes {', '.join(nodes.order)} or the durable "
+            f"store ({len(found[nodes.rank].created)} found on this rank)")
+    return loaded[0], loaded[1]
+
+
+def _with_durable(group: Any, found: list[_Found], durable: Future[_Found] | None,
+                  url: str) -> list[_Found]:
+    """``found`` (every rank's memory tier) with rank 0's entry replaced by what it found
+    in both tiers (``durable``: its listing of both, rank 0's alone); collective."""
+    listed = agree(group, f"listing the durable store of {url}",
+                   lambda: durable.result() if durable is not None else None)
+    both = listed[0]
+    assert both is not None, "rank 0 lists both tiers (recover submits it there)"
+    return [both, *found[1:]]
+
+
+class _Loads:
+    """The attempts of one recovery: each candidate tried once, newest first."""
+
+    def __init__(self, session: Runtime, tiers: Tiers, storage_options: dict[str, Any] | None,
+                 nodes: Nodes, attempt: Callable[[TieredReader], Any],
+                 reader_options: dict[str, Any]) -> None:
+        self.session, self.tiers, self.storage_options = session, tiers, storage_options
+        self.nodes, self.attempt, self.reader_options = nodes, attempt, reader_options
+        self.tried: set[str] = set()
+
+    def newest(self, run: str, names: list[str], found: list[_Found]
+               ) -> tuple[Any, Recovered, str] | None:
+        """(the attempt's result, what it loaded, the name) of the first of ``names`` not
+        tried before that loads; None when none does (a checkpoint that cannot be
+        assembled is skipped, every other failure raised)."""
+        for name in names:
+            if name in self.tried:
+                continue
+            self.tried.add(name)
+            checkpoint = f"{run}/{name}"
+            reader = TieredReader(self.tiers.memory_url(checkpoint), checkpoint,
+                                  self.storage_options, peers=self.nodes, session=self.session,
+                                  **self.reader_options)
+            problems = _read_manifests(reader, self.nodes, [name in f.in_memory for f in found],
+                                       checkpoint)
+            if any(problems):
+                log.warning("skipping %s: %s", checkpoint, "; ".join(p for p in problems if p))
+                continue
+            try:
+                result = self.attempt(reader)
+            except BaseException as exc:  # noqa: BLE001 - one kind is skipped, the rest raised
+                error = as_ckptturbo_error(exc, checkpoint, "loading")
+                if not isinstance(error, ChunksUnavailable):
+                    raise
+                log.info("skipping %s: %s", checkpoint, error)
+                continue
+            return result, Recovered(checkpoint, reader.manifest_tier or DURABLE,
+                                     reader.bytes_from_storage - reader.bytes_from_durable,
+                                     reader.bytes_from_durable, reader.bytes_from_peers), name
+        return None
 
 
 def _agreed_candidates(found: list[_Found]) -> tuple[str, list[str]]:

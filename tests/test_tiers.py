@@ -59,6 +59,33 @@ def test_memory_only_checkpoint_loads_bit_exact_and_is_not_durable(tmp_path, s3_
         assert _same(loaded, tiered_state(1))
 
 
+def test_a_newer_durable_checkpoint_wins_over_memory_though_memory_loads_first(tmp_path,
+                                                                              s3_server):
+    """Memory holds step-1; another writer (no tiers) put step-2 and step-3 in the durable
+    store, and step-3 lost a chunk. The recovery loads step-1 from memory while the
+    durable store is listed, then the newest checkpoint that can be assembled: step-2."""
+    import fsspec
+
+    from ckptturbo.runs import Location
+
+    run, opts = s3_server.url(), s3_server.storage_options
+    tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=0, node="n0")
+    with ct.Session() as s:
+        s.save(tiered_state(1), f"{run}/step-1", storage_options=opts, tiers=tiers).wait()
+        s.save(tiered_state(2), f"{run}/step-2", storage_options=opts)
+        s.save(tiered_state(3), f"{run}/step-3", storage_options=opts)
+    own = set(Location(f"{run}/step-3", opts).read_manifest().chunks) - \
+        set(Location(f"{run}/step-2", opts).read_manifest().chunks)
+    cid = sorted(own)[0]
+    fsspec.filesystem("s3", **opts).rm(f"{run}/.ckptturbo/chunks/{cid[:2]}/{cid}")
+    assert _memory_names(tiers, run) == ["step-1"]
+    with ct.Session() as s:  # a restarted job: nothing of step-3 in a cache of this process
+        out = _empty()
+        recovered = s.load(out, run, storage_options=opts, tiers=tiers)
+        assert _same(out, tiered_state(2))
+        assert (recovered.url, recovered.manifest_tier) == (f"{run}/step-2", "durable")
+
+
 def test_every_nth_save_is_persisted_and_only_those_are_durable(tmp_path, s3_server):
     run, opts = s3_server.url(), s3_server.storage_options
     tiers = ct.Tiers(memory=str(tmp_path / "mem"), persist_every=2, node="n0")
