@@ -32,7 +32,7 @@ def gather(group: Any, value: Any) -> list[Any]:
     broadcasts them all: two hops, where ``all_gather_object``'s two ring all-gathers
     (the sizes, then the padded values) take 2 x (ranks - 1). On the cluster in miniature
     (8 ranks over 4 namespaces on 2 cores) that is 1.7 ms against 24 ms a round, and a
-    tiered load makes four such rounds of its own. A value larger than the slot
+    tiered load makes five such rounds of its own. A value larger than the slot
     takes a second round sized for the largest; larger groups, other backends and tables
     over ``TABLE_BYTES`` take ``all_gather_object``, which never funnels through one rank."""
     if group is None:

@@ -272,8 +272,12 @@ def recover(session: Runtime, url: str, tiers: Tiers, *, storage_options: dict[s
                       lambda: _candidates(session, url, tiers, storage_options, False))
         nodes = Nodes(group, tiers.node_name, [f.node for f in found])
         load = _Loads(session, tiers, storage_options, nodes, attempt, reader_options)
-        ahead = not any(f.at_url for f in found) and any(f.created for f in found)
-        if not ahead:
+        # a checkpoint some node's memory holds at the URL is the only candidate, whatever
+        # the durable store says; a run whose checkpoints memory holds loads the newest
+        # before the durable store's answer is joined; otherwise that answer decides
+        at_url = any(f.at_url for f in found)
+        ahead = not at_url and any(f.created for f in found)
+        if not at_url and not ahead:
             found = _with_durable(group, found, durable, url)
         run, names = _agreed_candidates(found)
         loaded = load.newest(run, names, found)
