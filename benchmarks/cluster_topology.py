@@ -115,6 +115,8 @@ class Cluster:
 
     def __init__(self, nodes: int, profile: Profile = PROFILE, workdir: str | None = None) -> None:
         self.profile = profile
+        if workdir is not None:
+            os.makedirs(workdir, exist_ok=True)
         self.scratch = tempfile.mkdtemp(prefix="ckptturbo-cluster-", dir=workdir)
         self._hosts: netns.VirtualHosts | None = None
         self._store: Store | None = None

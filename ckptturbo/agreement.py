@@ -8,15 +8,18 @@ exchanging their outcome: every rank gets every result, or every rank raises.
 from __future__ import annotations
 
 import pickle
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import CkptTurboError
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 SMALL_GROUP = 64  # ranks: up to this many, objects travel through the group's rank 0
@@ -71,20 +74,143 @@ def decide(group: Any, value: Any, rule: Callable[[list[Any]], T]) -> T:
     return box[0]
 
 
+def small(group: Any) -> bool:
+    """Whether ``gather`` sends ``group``'s values through its rank 0 (and
+    ``reduce_scatter`` serves it)."""
+    return _small(group, dist.get_world_size(group))
+
+
 def _small(group: Any, world: int) -> bool:
-    """Whether ``gather`` sends the group's values through its rank 0."""
     return world <= SMALL_GROUP and dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter(group: Any, step: str, local: Callable[[], T],
+                   reduce: Callable[[list[T]], list[R]]) -> R:
+    """DCP's plan round on a small gloo group (``small``): ``local`` on every rank,
+    ``reduce`` of all their results on rank 0, and each rank's own part of its outcome
+    back to that rank. A failure anywhere raises DCP's ``CheckpointException(step,
+    {rank: (exception, traceback)})`` on every rank, as ``dcp.load``'s own round does.
+
+    Three transfers where DCP's ``gather_object`` and ``scatter_object_list`` make an
+    all-gather ring of the sizes, a gather, a broadcast and a scatter: the results
+    gathered on rank 0 in fixed slots, one broadcast saying each part's size (or that a
+    result overflowed its slot, which takes a second gather sized for the largest), and
+    the parts scattered, each rank receiving only its own."""
+    world = dist.get_world_size(group)
+    first = dist.get_rank(group) == 0
+    blob = _travelling(_outcome(local))
+    rows = _gather_on_rank_0(group, world, _slot(blob, SLOT_BYTES), first)
+    control = torch.zeros(world + 1, dtype=torch.int64)  # [second slot's size, parts' sizes]
+    parts: list[bytes] = []
+    if rows is not None:
+        largest = max(_length(row) for row in rows)
+        if largest > SLOT_BYTES - _HEADER:
+            control[0] = largest + _HEADER
+        else:
+            parts = _parts(step, world, rows, reduce)
+            control[1:] = torch.tensor([len(part) for part in parts])
+    dist.broadcast(control, group=group, group_src=0)
+    if int(control[0]):
+        rows = _gather_on_rank_0(group, world, _slot(blob, int(control[0])), first)
+        sizes = torch.zeros(world, dtype=torch.int64)
+        if rows is not None:
+            parts = _parts(step, world, rows, reduce)
+            sizes[:] = torch.tensor([len(part) for part in parts])
+        dist.broadcast(sizes, group=group, group_src=0)
+    else:
+        sizes = control[1:]
+    width = int(sizes.max())
+    mine = torch.empty(width, dtype=torch.uint8)
+    padded = [_slot_body(part, width) for part in parts] if first else None
+    dist.scatter(mine, padded, group=group, group_src=0)
+    kind, value = pickle.loads(mine[:int(sizes[dist.get_rank(group)])].numpy().tobytes())
+    if kind == "failed":
+        raise value
+    return value
+
+
+def all_succeed(group: Any, step: str, local: Callable[[], None]) -> None:
+    """DCP's closing round on a small gloo group: ``local`` on every rank, then the
+    outcomes exchanged (``gather``: two hops, where ``all_gather_object`` makes two rings);
+    a failure anywhere raises ``CheckpointException(step, failures)`` on every rank."""
+    outcomes = gather(group, _outcome(local))
+    failures = {rank: wrapped for rank, (kind, wrapped) in enumerate(outcomes)
+                if kind == "failed"}
+    if failures:
+        raise CheckpointException(step, failures)
+
+
+def _outcome(step: Callable[[], T]) -> tuple[str, Any]:
+    """("ok", what ``step`` returned) or ("failed", its exception as DCP wraps one)."""
+    try:
+        return "ok", step()
+    except Exception as exc:  # noqa: BLE001 - travels to every rank, raised there
+        return "failed", _wrapped(exc)
+
+
+def _wrapped(exc: BaseException) -> tuple[BaseException, traceback.StackSummary]:
+    """``exc`` and where it was raised, DCP's form of a rank's failure. An exception that
+    does not pickle travels as a CkptTurboError carrying its type and message."""
+    summary = traceback.extract_tb(exc.__traceback__)
+    try:
+        pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - replaced by what can travel
+        exc = CkptTurboError(f"{type(exc).__name__}: {exc}")
+    return exc, summary
+
+
+def _travelling(outcome: tuple[str, Any]) -> bytes:
+    """``outcome`` pickled; a result that does not pickle becomes this rank's failure."""
+    try:
+        return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - a failure like any other
+        return pickle.dumps(("failed", _wrapped(exc)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _parts(step: str, world: int, rows: list[torch.Tensor],
+           reduce: Callable[[list[Any]], list[Any]]) -> list[bytes]:
+    """On rank 0: each rank's pickled part of ``reduce``'s outcome, or of the failure."""
+    outcomes = [pickle.loads(row[_HEADER:_HEADER + _length(row)].numpy().tobytes())
+                for row in rows]
+    failures = {rank: wrapped for rank, (kind, wrapped) in enumerate(outcomes)
+                if kind == "failed"}
+    if not failures:
+        try:
+            return [_travelling(("ok", part))
+                    for part in reduce([value for _, value in outcomes])]
+        except Exception as exc:  # noqa: BLE001 - the coordinator's failure, on every rank
+            failures = {0: _wrapped(exc)}
+    failed = pickle.dumps(("failed", CheckpointException(step, failures)),
+                          protocol=pickle.HIGHEST_PROTOCOL)
+    return [failed] * world
+
+
+def _gather_on_rank_0(group: Any, world: int, slot: torch.Tensor,
+                      first: bool) -> list[torch.Tensor] | None:
+    """Every rank's ``slot``, as rows on the group's rank 0 (None elsewhere)."""
+    rows = [torch.empty_like(slot) for _ in range(world)] if first else None
+    dist.gather(slot, rows, group=group, group_dst=0)
+    return rows
+
+
+def _length(row: torch.Tensor) -> int:
+    """The length of the value a slot carries (its header)."""
+    return int(row[:_HEADER].view(torch.int64)[0])
+
+
+def _slot_body(blob: bytes, nbytes: int) -> torch.Tensor:
+    """``blob`` padded to ``nbytes``, without a header (the sizes travel apart)."""
+    body = torch.zeros(nbytes, dtype=torch.uint8)
+    if blob:
+        body[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return body
 
 
 def _slot(blob: bytes, nbytes: int) -> torch.Tensor:
     """A slot of ``nbytes``: ``blob``'s length, then as much of ``blob`` as fits (all of it
     when the round is sized for the largest)."""
-    slot = torch.zeros(nbytes, dtype=torch.uint8)
-    slot[:_HEADER] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
-    body = blob[:nbytes - _HEADER]
-    if body:
-        slot[_HEADER:_HEADER + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    return slot
+    header = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([header, _slot_body(blob[:nbytes - _HEADER], nbytes - _HEADER)])
 
 
 def _through_rank_0(group: Any, world: int, slot: torch.Tensor) -> torch.Tensor:

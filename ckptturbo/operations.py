@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import catalog, changes, tiered_catalog
+from . import catalog, changes, dcp_load, tiered_catalog
 from .async_save import run_save
 from .errors import CkptTurboError, MismatchError
 from .failures import ckptturbo_errors
@@ -108,11 +107,11 @@ def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
         manifest = reader.read_manifest()
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
-            dcp.load(state_dict, storage_reader=reader, process_group=process_group,
-                     planner=on_group(planner if planner is not None else
-                                      TurboLoadPlanner(allow_partial_load=not strict),
-                                      _load_group(process_group), "load"),
-                     no_dist=not dist.is_initialized())
+            group = _load_group(process_group)
+            dcp_load.load(state_dict, reader,
+                          on_group(planner if planner is not None else
+                                   TurboLoadPlanner(allow_partial_load=not strict), group, "load"),
+                          group)
 
     if tiers is None:
         attempt(_reader(session, url, storage_options, process_group=process_group,
@@ -156,8 +155,7 @@ def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, An
                                             flatten_sharded_tensors=False),
                            _load_group(group) if use_group else None, "load")
         with ckptturbo_errors("loading", reader.url), single_process(not use_group):
-            dcp.load(flat, storage_reader=reader, planner=planner, process_group=group,
-                     no_dist=not use_group)
+            dcp_load.load(flat, reader, planner, _load_group(group) if use_group else None)
         return unflatten(flat, metadata.planner_data, reader.url)
 
     if tiers is None:

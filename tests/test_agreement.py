@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptturbo import agreement
 from ckptturbo.errors import CkptTurboError
@@ -82,3 +83,78 @@ def test_decide_gives_every_rank_the_rules_outcome_on_small_and_large_groups(sma
         assert everyone == [0, 10, 20], (rank, everyone)
         # a small group applies the rule on every rank, a large one on rank 0 alone
         assert seen == ([rank] if small_group or rank == 0 else []), (rank, seen)
+
+
+def _reduce_scatter_rank(rank: int, world: int, sizes: list[int]) -> list[bool]:
+    """For each size: every rank sends a value of size x (rank + 1) bytes, rank 0 makes a
+    part per rank of the same sizes reversed, and each rank checks it got its own part;
+    once more on a subgroup of the odd ranks."""
+    out = []
+    for size in sizes:
+        def parts(values: list[dict], size: int = size) -> list[dict]:
+            assert rank == 0 and values == [_value(r, size * (r + 1)) for r in range(world)]
+            return [_value(r, size * (world - r)) for r in range(world)]
+
+        got = agreement.reduce_scatter(dist.group.WORLD, "plan",
+                                       lambda size=size: _value(rank, size * (rank + 1)), parts)
+        out.append(got == _value(rank, size * (world - rank)))
+    odd = dist.new_group([r for r in range(world) if r % 2])
+    if rank % 2:
+        got = agreement.reduce_scatter(odd, "plan", lambda: rank, lambda values: values[::-1])
+        mine = [r for r in range(world) if r % 2]
+        out.append(got == mine[::-1][dist.get_rank(odd)])
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_reduce_scatter_gives_each_rank_its_part_small_or_over_the_slot(world):
+    sizes = [0, agreement.SLOT_BYTES - 200, agreement.SLOT_BYTES * 3]
+    results = run_distributed(_reduce_scatter_rank, world, sizes, timeout=180)
+    for rank, oks in enumerate(results):
+        assert all(oks) and len(oks) == len(sizes) + rank % 2, (rank, oks)
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("cannot pickle this exception")
+
+
+def _failing_rounds_rank(rank: int, world: int) -> list[tuple[str, dict[int, str]]]:
+    """Each round fails somewhere; every rank reports the step and failures it raised."""
+    def fail_on(failing: int, exc: Exception):
+        def step(*_):
+            if rank == failing:
+                raise exc
+            return [rank] * world
+        return step
+
+    rounds = [
+        lambda: agreement.reduce_scatter(dist.group.WORLD, "plan",
+                                         fail_on(1, ValueError("no such key: 'w'")), list),
+        lambda: agreement.reduce_scatter(dist.group.WORLD, "plan", lambda: rank,
+                                         fail_on(0, KeyError("global plan failed"))),
+        lambda: agreement.all_succeed(dist.group.WORLD, "read",
+                                      fail_on(2, _Unpicklable("a socket went away"))),
+        lambda: agreement.all_succeed(dist.group.WORLD, "read", lambda: None),
+    ]
+    seen = []
+    for round_ in rounds:
+        try:
+            round_()
+            seen.append(("ok", {}))
+        except CheckpointException as exc:
+            seen.append((str(exc.args[0]) if exc.args else "", {
+                r: f"{type(e).__name__}: {e}" for r, (e, _) in exc.failures.items()}))
+    return seen
+
+
+def test_a_failure_in_dcps_rounds_is_a_checkpoint_exception_on_every_rank():
+    results = run_distributed(_failing_rounds_rank, 3, timeout=120)
+    for rank, seen in enumerate(results):
+        assert seen[0] == ("plan", {1: "ValueError: no such key: 'w'"}), (rank, seen[0])
+        # the reducer's own exception (the reduce ran on rank 0 only, not the local step)
+        assert seen[1] == ("plan", {0: "KeyError: 'global plan failed'"}), (rank, seen[1])
+        # an exception that does not pickle travels as a CkptTurboError with its text
+        assert seen[2] == ("read", {2: "CkptTurboError: _Unpicklable: a socket went away"}), \
+            (rank, seen[2])
+        assert seen[3] == ("ok", {}), (rank, seen[3])
