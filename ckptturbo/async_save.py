@@ -16,9 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from . import delta_save
+from . import dcp_protocol, delta_save
 from .errors import CkptTurboError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
 from .planner import TurboSavePlanner, on_group
@@ -85,8 +84,7 @@ def run_save(session: Runtime, state_dict: dict[str, Any], url: str, target: str
                         session, state_dict, delta_from,
                         where.chunk_store.url_of(where.chunks_root), storage_options)
                 with single_process(group is None):
-                    dcp.save(to_save, storage_writer=writer, process_group=group,
-                             planner=planner, no_dist=group is None)
+                    dcp_protocol.save(to_save, writer, planner, group)
                 if writer.delta is not None and writer.delta.committed:
                     session.keep_delta_base(url, writer.delta.kept())
             finally:  # before after_commit: once it resolves `local`, the next save sets its own

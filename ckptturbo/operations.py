@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import catalog, changes, dcp_load, tiered_catalog
+from . import catalog, changes, dcp_protocol, tiered_catalog
 from .async_save import run_save
 from .errors import CkptTurboError, MismatchError
 from .failures import ckptturbo_errors
@@ -108,7 +108,7 @@ def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
             group = _load_group(process_group)
-            dcp_load.load(state_dict, reader,
+            dcp_protocol.load(state_dict, reader,
                           on_group(planner if planner is not None else
                                    TurboLoadPlanner(allow_partial_load=not strict), group, "load"),
                           group)
@@ -155,7 +155,7 @@ def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, An
                                             flatten_sharded_tensors=False),
                            _load_group(group) if use_group else None, "load")
         with ckptturbo_errors("loading", reader.url), single_process(not use_group):
-            dcp_load.load(flat, reader, planner, _load_group(group) if use_group else None)
+            dcp_protocol.load(flat, reader, planner, _load_group(group) if use_group else None)
         return unflatten(flat, metadata.planner_data, reader.url)
 
     if tiers is None:

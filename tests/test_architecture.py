@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                   "broadcast_schedule"]),
     ("pipelines", ["staging", "prefetch", "broadcast", "assemble", "upload", "planner", "writer",
                    "async_save", "readonce", "chunk_cache", "reader", "stream", "stream.*",
-                   "changes", "delta_save", "dcp_load"]),
+                   "changes", "delta_save", "dcp_protocol"]),
     ("tiers", ["tiers", "peers", "persist", "eviction", "tiered_catalog", "recovery",
                "tiered_save"]),
     ("operations", ["operations"]),

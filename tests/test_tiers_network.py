@@ -249,8 +249,16 @@ def test_a_link_cut_while_a_lost_node_recovers_fails_the_load_in_bounded_time(
 
 
 def _tier_bytes(memory: str) -> int:
-    return sum(f.stat().st_size for f in (Path(memory) / socket.gethostname()).rglob("*")
-               if f.is_file())
+    """The bytes in this host's memory tier now; a file renamed or removed between the
+    listing and its stat (a chunk's temporary file at its commit, an evicted chunk) is
+    not there any more and counts nothing."""
+    total = 0
+    for f in (Path(memory) / socket.gethostname()).rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except FileNotFoundError:
+            continue
+    return total
 
 
 def _save_faster_than_replication(rank: int, world: int, run: str, opts: dict, memory: str,
