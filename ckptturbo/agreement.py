@@ -144,7 +144,7 @@ def _outcome(step: Callable[[], T]) -> tuple[str, Any]:
     """("ok", what ``step`` returned) or ("failed", its exception as DCP wraps one)."""
     try:
         return "ok", step()
-    except Exception as exc:  # noqa: BLE001 - travels to every rank, raised there
+    except BaseException as exc:  # noqa: BLE001 - as DCP's rounds: travels to every rank
         return "failed", _wrapped(exc)
 
 
@@ -176,9 +176,12 @@ def _parts(step: str, world: int, rows: list[torch.Tensor],
                 if kind == "failed"}
     if not failures:
         try:
-            return [_travelling(("ok", part))
-                    for part in reduce([value for _, value in outcomes])]
-        except Exception as exc:  # noqa: BLE001 - the coordinator's failure, on every rank
+            replies = reduce([value for _, value in outcomes])
+            if len(replies) != world:
+                raise CkptTurboError(f"the {step} round's reduction gave {len(replies)} "
+                                     f"parts for {world} ranks")
+            return [_travelling(("ok", part)) for part in replies]
+        except BaseException as exc:  # noqa: BLE001 - the coordinator's failure, on every rank
             failures = {0: _wrapped(exc)}
     failed = pickle.dumps(("failed", CheckpointException(step, failures)),
                           protocol=pickle.HIGHEST_PROTOCOL)

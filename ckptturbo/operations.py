@@ -108,10 +108,9 @@ def load(session: Runtime, state_dict: dict[str, Any], url: Any, *, process_grou
         check_fits(state_dict, manifest.items, reader.url, strict)
         with ckptturbo_errors("loading", reader.url), single_process(not dist.is_initialized()):
             group = _load_group(process_group)
-            dcp_protocol.load(state_dict, reader,
-                          on_group(planner if planner is not None else
-                                   TurboLoadPlanner(allow_partial_load=not strict), group, "load"),
-                          group)
+            chosen = on_group(planner if planner is not None else
+                              TurboLoadPlanner(allow_partial_load=not strict), group, "load")
+            dcp_protocol.load(state_dict, reader, chosen, group)
 
     if tiers is None:
         attempt(_reader(session, url, storage_options, process_group=process_group,

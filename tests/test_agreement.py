@@ -136,6 +136,8 @@ def _failing_rounds_rank(rank: int, world: int) -> list[tuple[str, dict[int, str
         lambda: agreement.all_succeed(dist.group.WORLD, "read",
                                       fail_on(2, _Unpicklable("a socket went away"))),
         lambda: agreement.all_succeed(dist.group.WORLD, "read", lambda: None),
+        lambda: agreement.reduce_scatter(dist.group.WORLD, "plan", lambda: rank,
+                                         lambda values: values[:1]),
     ]
     seen = []
     for round_ in rounds:
@@ -158,3 +160,6 @@ def test_a_failure_in_dcps_rounds_is_a_checkpoint_exception_on_every_rank():
         assert seen[2] == ("read", {2: "CkptTurboError: _Unpicklable: a socket went away"}), \
             (rank, seen[2])
         assert seen[3] == ("ok", {}), (rank, seen[3])
+        # a reduction that does not give every rank a part fails every rank, none waits
+        assert seen[4] == ("plan", {0: "CkptTurboError: the plan round's reduction gave 1 "
+                                       "parts for 3 ranks"}), (rank, seen[4])
