@@ -23,9 +23,11 @@ sent instead of waiting for the group's timeout in mismatched collectives.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -44,6 +46,8 @@ from .plan.digests import (
 )
 from .plan.flatten import Flattened, flatten
 from .plan.local import local_load_plan, local_save_plan, materialise_meta
+
+T = TypeVar("T")
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -74,25 +78,31 @@ class TurboSavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
-        """DCP's, with both of its walks made in one (``plan.flatten``) where they can."""
-        flat = _one_walk(self, state_dict)
-        if flat is None:
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
-            return
-        self.state_dict, self.mappings = flat
-        self.is_coordinator = is_coordinator
+        """DCP's, with both of its walks made in one (``plan.flatten``) where they can.
+        On a group a failure is raised by ``create_local_plan``, after this rank has
+        told the others in the digest exchange (``_planned``)."""
+        with _deferred(self):
+            flat = _one_walk(self, state_dict)
+            if flat is None:
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                return
+            self.state_dict, self.mappings = flat
+            self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
         on a group, the digest exchange."""
+        plan, digest = _planned(self, "save", self._local_plan)
+        if self.process_group is None:
+            return plan
+        return grouped_plan(plan, digest, self._is_first(digest))
+
+    def _local_plan(self) -> tuple[SavePlan, str]:
         plan = local_save_plan(self.state_dict, self.is_coordinator)
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
-        if self.process_group is None:
-            return plan
-        digest = save_digest(plan)
-        return grouped_plan(plan, digest, self._is_first(digest))
+        return plan, save_digest(plan) if self.process_group is not None else ""
 
     def _is_first(self, digest: str) -> bool:
         return first_with(digest, self.process_group, (True, type(self).__name__), "save")
@@ -151,20 +161,27 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         """DCP's, with tensors on the meta device materialised faster first, and DCP's
         walks made in one (``plan.flatten``) where they can (DCP's set-up then finds
         nothing left to materialise)."""
-        materialise_meta(state_dict, _materialised)
-        flat = _one_walk(self, state_dict)
-        if flat is None:
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-            return
-        self.original_state_dict = state_dict
-        self.state_dict, self.mappings = flat
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
+        with _deferred(self):
+            materialise_meta(state_dict, _materialised)
+            flat = _one_walk(self, state_dict)
+            if flat is None:
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+                return
+            self.original_state_dict = state_dict
+            self.state_dict, self.mappings = flat
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state
         dict missing keys of the checkpoint takes DCP's path, which tells an old
         checkpoint's keys apart), then, on a group, the digest exchange."""
+        plan, digest = _planned(self, "load", self._local_plan)
+        if self.process_group is None:
+            return plan
+        return grouped_plan(plan, digest, self._is_first(digest))
+
+    def _local_plan(self) -> tuple[LoadPlan, str]:
         if self.metadata is None:
             raise CkptTurboError("TurboLoadPlanner.create_local_plan before set_up_planner")
         stored = self.metadata.state_dict_metadata
@@ -174,9 +191,8 @@ class TurboLoadPlanner(DefaultLoadPlanner):
             plan = local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         self._local = plan
         if self.process_group is None:
-            return plan
-        digest = plan_digest(map(_read_key, plan.items), None)
-        return grouped_plan(plan, digest, self._is_first(digest))
+            return plan, ""
+        return plan, plan_digest(map(_read_key, plan.items), None)
 
     def _is_first(self, digest: str) -> bool:
         return first_with(digest, self.process_group, (True, type(self).__name__), "load")
@@ -236,29 +252,67 @@ def _read_key(item: ReadItem) -> tuple[tuple, tuple]:
                                              item.storage_offsets, item.lengths)
 
 
-def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str) -> bool:
+def first_with(digest: str, group: Any, kind: tuple[bool, str], what: str,
+               failure: str | None = None) -> bool:
     """Whether this rank is the first in ``group`` with ``digest``: every rank's planner
     ``kind`` (one of ours or not, and its class) and digest decide the first rank of each
     digest (the planners' one collective, ``agreement.decide``: on a large group only rank
     0 sees the digests and the others receive the list of first ranks), or, where ours and
-    others mix, why: then every rank raises ``PlanError``."""
+    others mix or a rank could not plan (its ``failure``), why: then every rank raises
+    ``PlanError``."""
     world = dist.get_world_size(group)
     if world == 1:
         return True
     me = dist.get_rank(group)
-    firsts = decide(group, (kind, digest), lambda gathered: _agree(gathered, what))
+    firsts = decide(group, (kind, digest, failure), lambda gathered: _agree(gathered, what))
     if isinstance(firsts, str):
         raise PlanError(f"rank {me}: {firsts}")
     at = bisect.bisect_left(firsts, me)
     return at < len(firsts) and firsts[at] == me
 
 
-def _agree(gathered: list[tuple[tuple[bool, str], str]], what: str) -> list[int] | str:
-    """The sorted first rank of each digest, or the kinds' conflict."""
-    conflict = kind_conflict([kind for kind, _ in gathered], what)
+def _agree(gathered: list[tuple[tuple[bool, str], str, str | None]], what: str
+           ) -> list[int] | str:
+    """The sorted first rank of each digest, or why the ranks cannot plan together."""
+    for rank, (_, _, failure) in enumerate(gathered):
+        if failure is not None:
+            return f"rank {rank} could not make its local {what} plan: {failure}"
+    conflict = kind_conflict([kind for kind, _, _ in gathered], what)
     if conflict is not None:
         return conflict
-    return sorted(first_ranks([digest for _, digest in gathered]).values())
+    return sorted(first_ranks([digest for _, digest, _ in gathered]).values())
+
+
+@contextlib.contextmanager
+def _deferred(planner: Any) -> Iterator[None]:
+    """A set-up failure of a planner on a group, kept for ``_planned`` to raise after the
+    digest exchange (DCP calls ``create_local_plan`` next); without a group, raised."""
+    planner._set_up_failure = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - raised by create_local_plan
+        if planner.process_group is None:
+            raise
+        planner._set_up_failure = exc
+
+
+def _planned(planner: Any, what: str, local_plan: Callable[[], tuple[T, str]]
+             ) -> tuple[T, str]:
+    """``local_plan()``'s plan and digest. Where set-up or planning fails on a group, this
+    rank still takes part in the digest exchange, with its failure, before raising it:
+    the other ranks raise ``PlanError`` naming it at once, instead of waiting in
+    collectives that no longer match (this rank's next is the plans' round)."""
+    try:
+        failure = getattr(planner, "_set_up_failure", None)
+        if failure is not None:
+            raise failure
+        return local_plan()
+    except Exception as exc:
+        if planner.process_group is not None:
+            with contextlib.suppress(PlanError):  # the others' error names this one
+                first_with("", planner.process_group, (True, type(planner).__name__), what,
+                           f"{type(exc).__name__}: {exc}")
+        raise
 
 
 class KindChecked:

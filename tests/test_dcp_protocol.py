@@ -132,3 +132,43 @@ def test_a_failure_on_one_rank_fails_the_save_on_every_rank_and_commits_nothing(
         assert kind == "CkptTurboError", (rank, kind, message)
         assert "tensor 'ddp.w' has a shape this planner rejects" in message, (rank, message)
     assert not ct.exists(url)
+
+
+def _planning_fails_on_rank_1(rank: int, world: int, root: str, what: str
+                              ) -> tuple[str, str, float]:
+    """Rank 1's own planning step raises (a fault injected into ckptturbo's planning
+    function in that process alone); the outcome and time of each rank's save or load."""
+    import time
+
+    from ckptturbo import planner as planner_module
+
+    url = f"{root}/run/step-1"
+    if what == "load":
+        ct.save(_state(world, zeros=False), url, chunk_size=CHUNK).wait(timeout=120)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise ValueError("tensor 'ddp.w' cannot be planned here")
+
+        name = "local_save_plan" if what == "save" else "materialise_meta"
+        setattr(planner_module, name, broken)
+    started = time.monotonic()
+    try:
+        if what == "save":
+            ct.save(_state(world, zeros=False), f"{root}/run/step-2").wait(timeout=120)
+        else:
+            ct.load(_state(world, zeros=True), url)
+    except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    return "ok", "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_rank_that_cannot_plan_fails_every_rank_at_once_naming_it(tmp_path, what):
+    # its planner still joins the planners' digest exchange, with its failure, so that
+    # no rank waits for the group's timeout in collectives that no longer match
+    outcomes = run_distributed(_planning_fails_on_rank_1, 3, str(tmp_path), what, timeout=240)
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        assert kind == "CkptTurboError" or kind == "PlanError", (rank, kind, message)
+        assert "tensor 'ddp.w' cannot be planned here" in message, (rank, message)
+        assert seconds < 60, (rank, seconds)
+    assert not ct.exists(str(tmp_path / "run" / "step-2"))
