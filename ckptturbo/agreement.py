@@ -133,9 +133,7 @@ def all_succeed(group: Any, step: str, local: Callable[[], None]) -> None:
     """DCP's closing round on a small gloo group: ``local`` on every rank, then the
     outcomes exchanged (``gather``: two hops, where ``all_gather_object`` makes two rings);
     a failure anywhere raises ``CheckpointException(step, failures)`` on every rank."""
-    outcomes = gather(group, _outcome(local))
-    failures = {rank: wrapped for rank, (kind, wrapped) in enumerate(outcomes)
-                if kind == "failed"}
+    failures = _failures(gather(group, _outcome(local)))
     if failures:
         raise CheckpointException(step, failures)
 
@@ -146,6 +144,11 @@ def _outcome(step: Callable[[], T]) -> tuple[str, Any]:
         return "ok", step()
     except BaseException as exc:  # noqa: BLE001 - as DCP's rounds: travels to every rank
         return "failed", _wrapped(exc)
+
+
+def _failures(outcomes: list[tuple[str, Any]]) -> dict[int, Any]:
+    """{rank: its wrapped failure} of every rank's ``_outcome``."""
+    return {rank: wrapped for rank, (kind, wrapped) in enumerate(outcomes) if kind == "failed"}
 
 
 def _wrapped(exc: BaseException) -> tuple[BaseException, traceback.StackSummary]:
@@ -172,8 +175,7 @@ def _parts(step: str, world: int, rows: list[torch.Tensor],
     """On rank 0: each rank's pickled part of ``reduce``'s outcome, or of the failure."""
     outcomes = [pickle.loads(row[_HEADER:_HEADER + _length(row)].numpy().tobytes())
                 for row in rows]
-    failures = {rank: wrapped for rank, (kind, wrapped) in enumerate(outcomes)
-                if kind == "failed"}
+    failures = _failures(outcomes)
     if not failures:
         try:
             replies = reduce([value for _, value in outcomes])

@@ -55,7 +55,7 @@ def _load(state_dict: dict[str, Any], reader: StorageReader, planner: LoadPlanne
     def local_step() -> LoadPlan:
         metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
-        if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:
+        if _takes_kwargs(reader.set_up_storage_reader):
             reader.set_up_storage_reader(metadata, coordinator, rank=rank,
                                          use_collectives=True)
         else:
@@ -95,7 +95,7 @@ def save(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner
                                    is_coordinator=coordinator)
         else:  # a planner written before DCP added storage_meta, called as DCP calls it
             planner.set_up_planner(flat, coordinator)  # type: ignore[arg-type]
-        if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
+        if _takes_kwargs(writer.set_up_storage_writer):
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
         else:
             writer.set_up_storage_writer(coordinator)
@@ -118,3 +118,9 @@ def save(state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner
         return [None] * len(results)
 
     agreement.reduce_scatter(group, "write", write, commit)
+
+
+def _takes_kwargs(method: Any) -> bool:
+    """Whether a storage layer's set-up takes DCP's newer keyword arguments (``rank``,
+    ``use_collectives``), which DCP passes only then."""
+    return "kwargs" in inspect.signature(method).parameters

@@ -150,11 +150,11 @@ def load_state_dict(session: Runtime, url: Any, *, storage_options: dict[str, An
                 flat[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
             else:
                 flat[key] = None
+        load_group = _load_group(group) if use_group else None
         planner = on_group(TurboLoadPlanner(flatten_state_dict=False,
-                                            flatten_sharded_tensors=False),
-                           _load_group(group) if use_group else None, "load")
+                                            flatten_sharded_tensors=False), load_group, "load")
         with ckptturbo_errors("loading", reader.url), single_process(not use_group):
-            dcp_protocol.load(flat, reader, planner, _load_group(group) if use_group else None)
+            dcp_protocol.load(flat, reader, planner, load_group)
         return unflatten(flat, metadata.planner_data, reader.url)
 
     if tiers is None:

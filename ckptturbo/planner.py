@@ -27,7 +27,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -46,8 +46,6 @@ from .plan.digests import (
 )
 from .plan.flatten import Flattened, flatten
 from .plan.local import local_load_plan, local_save_plan, materialise_meta
-
-T = TypeVar("T")
 
 
 class TurboSavePlanner(DefaultSavePlanner):
@@ -92,10 +90,7 @@ class TurboSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster), then,
         on a group, the digest exchange."""
-        plan, digest = _planned(self, "save", self._local_plan)
-        if self.process_group is None:
-            return plan
-        return grouped_plan(plan, digest, self._is_first(digest))
+        return _planned(self, "save", self._local_plan)
 
     def _local_plan(self) -> tuple[SavePlan, str]:
         plan = local_save_plan(self.state_dict, self.is_coordinator)
@@ -176,10 +171,7 @@ class TurboLoadPlanner(DefaultLoadPlanner):
         """DCP's local plan (``plan.local`` builds a plain tensor's item faster; a state
         dict missing keys of the checkpoint takes DCP's path, which tells an old
         checkpoint's keys apart), then, on a group, the digest exchange."""
-        plan, digest = _planned(self, "load", self._local_plan)
-        if self.process_group is None:
-            return plan
-        return grouped_plan(plan, digest, self._is_first(digest))
+        return _planned(self, "load", self._local_plan)
 
     def _local_plan(self) -> tuple[LoadPlan, str]:
         if self.metadata is None:
@@ -296,23 +288,26 @@ def _deferred(planner: Any) -> Iterator[None]:
         planner._set_up_failure = exc
 
 
-def _planned(planner: Any, what: str, local_plan: Callable[[], tuple[T, str]]
-             ) -> tuple[T, str]:
-    """``local_plan()``'s plan and digest. Where set-up or planning fails on a group, this
-    rank still takes part in the digest exchange, with its failure, before raising it:
-    the other ranks raise ``PlanError`` naming it at once, instead of waiting in
-    collectives that no longer match (this rank's next is the plans' round)."""
+def _planned(planner: Any, what: str, local_plan: Callable[[], tuple[Any, str]]) -> Any:
+    """What the rank sends for ``local_plan()``'s plan and digest: the plan itself without
+    a group, else the grouped plan after the digest exchange. Where set-up or planning
+    fails on a group, this rank still takes part in the exchange, with its failure,
+    before raising it: the other ranks raise ``PlanError`` naming it at once, instead of
+    waiting in collectives that no longer match (this rank's next is the plans' round)."""
     try:
         failure = getattr(planner, "_set_up_failure", None)
         if failure is not None:
             raise failure
-        return local_plan()
+        plan, digest = local_plan()
     except Exception as exc:
         if planner.process_group is not None:
             with contextlib.suppress(PlanError):  # the others' error names this one
                 first_with("", planner.process_group, (True, type(planner).__name__), what,
                            f"{type(exc).__name__}: {exc}")
         raise
+    if planner.process_group is None:
+        return plan
+    return grouped_plan(plan, digest, planner._is_first(digest))
 
 
 class KindChecked:
