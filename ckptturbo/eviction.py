@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from . import catalog
 from .errors import CkptTurboError, FormatError
 from .runs import RunStore
-from .runtime import Runtime, resolve
+from .runtime import Runtime, gc_turn, resolve
 from .store import TEMP_PREFIX
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,20 @@ def evict(run_url: str, budget: int, *, keep: frozenset[str] = frozenset(),
 
     An unreadable manifest (a tier damaged at rest) is removed as well: the memory tier is
     a cache, and a manifest that cannot be verified can never be loaded. A gc that finds a
-    save in flight frees nothing now; the next eviction frees it.
+    save in flight frees nothing now; the next eviction frees it. Evictions of one run in
+    this process take turns with each other and with its gcs (a save's eviction after its
+    commit and an earlier save's after its replication run on different threads): two at
+    once would choose the same checkpoints and the second would find them gone.
     """
     session = resolve(session)
-    present = RunStore.for_run(run_url, session=session).chunk_ids()
+    run = RunStore.for_run(run_url, session=session)
+    with gc_turn(run.store.url_of(run.gc_lock)):
+        return _evict(run, run_url, budget, keep, session)
+
+
+def _evict(run: RunStore, run_url: str, budget: int, keep: frozenset[str],
+           session: Runtime) -> Eviction:
+    present = run.chunk_ids()
     held, bad = [], []
     for url, manifest in catalog.committed(run_url, None, session):
         name = posixpath.basename(url)

@@ -477,6 +477,46 @@ def test_eviction_and_candidate_plans():
     assert newest_first(ranks) == ["step-3", "step-2", "step-1"]  # any rank's: peers share
 
 
+def test_evictions_of_one_run_at_once_take_turns(tmp_path):
+    """A tiered save evicts after its commit while an earlier one evicts after its
+    replication, on another thread: both choose the same oldest checkpoints, and without
+    turns the second found them gone (CheckpointNotFound, logged as a failed eviction)."""
+    for trial in range(8):
+        run = str(tmp_path / f"run-{trial}")
+        for step in range(4):
+            ct.save({"w": torch.full((1 << 14,), float(step))}, f"{run}/step-{step}").wait()
+        failures, results = _evict_at_once(run, 1 << 16, threads=2)
+        assert not failures, failures
+        assert sorted(name for r in results for name in r.evicted) == [
+            "step-0", "step-1", "step-2"]
+        assert [c.name for c in ct.list_checkpoints(run)] == ["step-3"]
+        assert not any(r.over_budget for r in results)
+
+
+def _evict_at_once(run: str, budget: int, threads: int) -> tuple[list[Exception], list]:
+    """``eviction.evict`` of ``run`` on ``threads`` threads released together: (what
+    raised, what returned)."""
+    import threading
+
+    from ckptturbo import eviction
+
+    start, failures, results = threading.Barrier(threads), [], []
+
+    def evict() -> None:
+        start.wait(timeout=30)
+        try:
+            results.append(eviction.evict(run, budget))
+        except Exception as exc:  # noqa: BLE001 - the test's finding
+            failures.append(exc)
+
+    running = [threading.Thread(target=evict) for _ in range(threads)]
+    for t in running:
+        t.start()
+    for t in running:
+        t.join(timeout=60)
+    return failures, results
+
+
 SOAK = bool(os.environ.get("CKPTTURBO_SOAK"))
 NODE_KILL_TRIALS = 20 if SOAK else 1
 
