@@ -34,7 +34,7 @@ DELTA_VERSION = 4  # version 3 plus delta records
 READABLE_VERSIONS = (1, 2, 3, 4)
 CHECKSUM_FIELD = "blake3"
 _LIMIT = 1 << 62  # no integer of a manifest reaches this: sums of two fit in int64
-_HEX = re.compile(r"[0-9a-f]*")
+_HEX_DIGITS = b"0123456789abcdef"
 _INT = re.compile(r"-?[0-9]+")
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,16 @@ def _verified_document(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
+def _only_hex_digits(text: str) -> bool:
+    """Whether ``text`` holds lowercase hex digits alone: a table deletes them all at C
+    speed, where a regular expression reads 5 MB of a 72B model's chunk ids at a quarter
+    of it."""
+    try:
+        return not text.encode("ascii").translate(None, _HEX_DIGITS)
+    except UnicodeEncodeError:
+        return False
+
+
 def _chunk_table(doc: dict[str, Any], where: str) -> tuple[list[str], np.ndarray]:
     """The chunk ids (a piece names its chunk by its position here) and their sizes."""
     joined, sizes = doc.get("chunk_ids"), doc.get("chunk_sizes")
@@ -161,7 +171,7 @@ def _chunk_table(doc: dict[str, Any], where: str) -> tuple[list[str], np.ndarray
         raise FormatError(f"{where}: 'chunk_ids' must hold 64 hex digits per entry of "
                           "'chunk_sizes'")
     ids = [joined[i:i + 64] for i in range(0, len(joined), 64)]
-    if not _HEX.fullmatch(joined):
+    if not _only_hex_digits(joined):
         for cid in ids:
             validate_chunk_id(cid)  # raises, naming the first id that is not one
     if len(set(ids)) != len(ids):

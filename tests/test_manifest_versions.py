@@ -151,6 +151,9 @@ def _v3_doc(v2_run: Path) -> dict:
     (lambda d: d["items"]["opt.moments.0"].__setitem__(6, [3, 6, ~1]), "planner path"),
     (lambda d: d.__setitem__("chunk_sizes", d["chunk_sizes"][1:]), "chunk_ids"),
     (lambda d: d.__setitem__("chunk_ids", d["chunk_ids"][64:128] + d["chunk_ids"][64:]), "twice"),
+    (lambda d: d.__setitem__("chunk_ids", d["chunk_ids"][:-1] + "A"), "invalid chunk id"),
+    (lambda d: d.__setitem__("chunk_ids", "\u00e9" + d["chunk_ids"][1:]), "invalid chunk id"),
+    (lambda d: d.__setitem__("chunk_ids", " " + d["chunk_ids"][1:]), "invalid chunk id"),
 ])
 def test_hostile_version_3_records_are_refused(v2_run, edit, message):
     doc = _v3_doc(v2_run)

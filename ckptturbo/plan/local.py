@@ -157,9 +157,13 @@ def _whole_read(fqn: str, md: Any, obj: Any, shards: _Shards) -> ReadItem | None
     if at is None:
         return None
     zeros = _zeros(len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0),
-                    dest_offsets=zeros, storage_index=MetadataIndex(fqn, chunks[at].offsets, at),
-                    storage_offsets=zeros, lengths=torch.Size(sizes))
+    dest = MetadataIndex(fqn, offsets, 0)
+    # the chunk at position 0 of exactly this box is named as the destination is (an index
+    # cannot change: the item holds it twice)
+    stored = dest if at == 0 else MetadataIndex(fqn, chunks[at].offsets, at)
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=zeros,
+                    storage_index=stored, storage_offsets=zeros,
+                    lengths=sizes if type(sizes) is torch.Size else torch.Size(sizes))
 
 
 _ZEROS: dict[int, torch.Size] = {}
