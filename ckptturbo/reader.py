@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .assemble import Job, consume, device_bound, finish_job, in_place_targets, item_span, make_job
 from .broadcast_schedule import (
     LOCAL,
+    PackedChains,
     Part,
     RotatedChains,
     Rotations,
@@ -66,7 +67,7 @@ class ReadChains(NamedTuple):
 
     ``chains``: the transfers (chunk ordinals) of the chunks this rank reads from storage
     (it heads their chain) or receives, with their start steps, grouped by the ranks that
-    need them (one object shared by every rank of such a group), from which ``rank``
+    need them (pickled once for every rank of such a group), from which ``rank``
     computes its own :class:`~ckptturbo.broadcast_schedule.Part` of each (sizes come from
     the manifest); ``plan_id`` is the same on every rank of the load; ``items_as_sent``:
     the plan's items were left out because the rank already has them (its local plan,
@@ -77,7 +78,7 @@ class ReadChains(NamedTuple):
     max_inflight: int
     items_as_sent: bool
     rank: int
-    chains: tuple[RotatedChains, ...]
+    chains: PackedChains
 
 
 class TurboReader(StorageReader):
@@ -288,12 +289,15 @@ class TurboReader(StorageReader):
         chained = any((g.starts != LOCAL).any() for g in groups)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
         out = []
+        packed: dict[int, PackedChains] = {}  # by the id of a tuple ranks share
         for member, (plan, mine) in enumerate(zip(plans, _groups_of_ranks(groups, len(plans)),
                                                   strict=True)):
             as_sent = (isinstance(plan.storage_data, LocalReads)
                        and plan.items is plan.storage_data.items)
+            if id(mine) not in packed:
+                packed[id(mine)] = PackedChains.of(mine)
             chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent,
-                                member, mine)
+                                member, packed[id(mine)])
             out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items,
                                            storage_data=chains))
         return out
@@ -442,7 +446,7 @@ class TurboReader(StorageReader):
     def chain_batch(self, chains: ReadChains) -> RankBatch:
         """This rank's parts of the read plan, as the read-once engine takes them."""
         ids = list(self._chunk_sizes)
-        rows = rotated_parts(chains.chains, chains.rank).tolist()
+        rows = rotated_parts(chains.chains.unpack(), chains.rank).tolist()
         parts = [Part(tid, self._chunk_sizes[ids[tid]], step, prev, nxt)
                  for tid, step, prev, nxt in rows]
         return RankBatch(parts, {p.tid: ids[p.tid] for p in parts}, chains.plan_id)
