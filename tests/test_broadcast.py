@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import pickle
 import random
 import time
 from collections import Counter
@@ -16,6 +17,7 @@ import torch
 from ckptturbo.broadcast import ChainBroadcaster
 from ckptturbo.broadcast_schedule import (
     LOCAL,
+    PackedChains,
     Rotations,
     Transfer,
     alloc_step,
@@ -330,10 +332,14 @@ def test_each_rank_computes_exactly_its_own_parts_from_the_shared_groups() -> No
                     if s != LOCAL} == starts
             assert {(0, 1, world), (1, 2, world // 2), (2, 1, 1)} <= \
                 {g.needers for g in groups if isinstance(g.needers, tuple)}
+            packed = PackedChains.of(tuple(groups))  # as the coordinator sends them
             for rank in range(world):
-                rows = rotated_parts(groups, rank).tolist()
+                mine = pickle.loads(pickle.dumps(packed)).unpack()  # as a rank receives them
+                rows = rotated_parts(mine, rank).tolist()
                 assert rows == [[p.tid, p.step, p.prev, p.next]
                                 for p in own_parts(transfers, rank, PIECE, max_inflight)]
+            # a rank's plan carries the packed groups as one copy of their bytes
+            assert len(pickle.dumps(packed)) < len(packed.blob) + 100
 
 
 def test_rotations_that_no_schedule_can_serve_are_refused() -> None:

@@ -2,14 +2,18 @@
 resharding, balanced dedup, and the bytes storage actually serves."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptturbo as ct
+from ckptturbo import replicas
 from ckptturbo.catalog import list_checkpoints
+from ckptturbo.errors import ReplicaMismatchError
 from ckptturbo.runs import Location
 from ckptturbo.testing.launcher import run_distributed
 
@@ -192,6 +196,18 @@ def test_replica_mismatch_is_detected(tmp_path):
     outcomes = run_distributed(_save_divergent_replicas, 2, url, timeout=240, expect_failures=True)
     assert any("differ across ranks" in str(o) for o in outcomes), outcomes
     assert not (tmp_path / "run" / "bad-replicas" / "manifest.json").exists()
+
+
+def test_replica_check_compares_equal_looking_packs_whole():
+    """Packs of the same length and the same first and last pairs are still compared byte
+    for byte: a replica differing in one middle item is named."""
+    indices = [MetadataIndex(f"layer.{i}.weight", (0,)) for i in range(100)]
+    agreeing = [(replicas.item_key(idx), 7) for idx in indices]
+    differing = [(k, 8 if i == 50 else p) for i, (k, p) in enumerate(agreeing)]
+    same = replicas.pack(agreeing)
+    replicas.check([same, bytes(same), b""], indices, raise_=True)  # equal packs, one empty
+    with pytest.raises(ReplicaMismatchError, match="layer.50.weight"):
+        replicas.check([same, bytes(same), replicas.pack(differing)], indices, raise_=True)
 
 
 def _save_divergent_replicas(rank: int, world: int, url: str) -> None:
