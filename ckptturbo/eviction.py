@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import catalog
-from .errors import CkptTurboError, FormatError
+from .errors import CkptTurboError, FormatError, SaveInProgress
 from .runs import RunStore
 from .runtime import Runtime, gc_turn, resolve
 from .store import TEMP_PREFIX
@@ -108,7 +108,10 @@ def _evict(run: RunStore, run_url: str, budget: int, keep: frozenset[str],
     if doomed or any(c not in named and not c.startswith(TEMP_PREFIX) for c in present):
         try:
             catalog.collect_garbage(run_url, session=session)
-        except CkptTurboError as exc:  # a save in flight: freed at the next eviction
+        except SaveInProgress as exc:  # the normal state of a tiered run: not a warning
+            log.info("memory tier %s: chunks no checkpoint names stay until a later eviction "
+                     "(%s)", run_url, exc)
+        except CkptTurboError as exc:
             log.warning("memory tier %s: chunks not freed yet: %s", run_url, exc)
     if doomed:
         log.info("memory tier %s: evicted %s to stay within %d bytes", run_url, doomed, budget)
