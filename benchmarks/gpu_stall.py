@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,11 +51,30 @@ def main() -> None:
     numel = (64 << 20) // dtype.itemsize
     sd = {f"w{i}": torch.randn(numel, device="cuda").to(dtype) for i in range(n)}  # 64 MiB each
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in sd.items()}
-    run = tempfile.mkdtemp(prefix="ckptturbo-gpu-")
+    with tempfile.TemporaryDirectory(prefix="ckptturbo-gpu-stall-") as run:
+        copies, stalls, async_saves = _measure(ct, sd, pinned, run, args.reps)
+        back = {k: torch.empty_like(v) for k, v in sd.items()}
+        ct.load(back, f"{run}/step-{args.reps - 1}")
+        exact = all(torch.equal(back[k], v) for k, v in sd.items())
+    report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
+                                  "device": torch.cuda.get_device_name()})
+    report.raw.update(copies=copies, stalls=stalls, async_saves=async_saves)
+    report.compare("stall until staged vs a pinned D2H copy_", min(stalls), min(copies), "s",
+                   peer_name="pinned copy_", target=1.2)
+    report.compare("stall until staged vs dcp.async_save", min(stalls), min(async_saves), "s",
+                   peer_name="dcp.async_save blocks", target=0.3)
+    report.check("the last checkpoint loads bit-exact", exact)
+    report.finish(args.out)
+
+
+def _measure(ct: Any, sd: dict[str, torch.Tensor], pinned: dict[str, torch.Tensor], run: str,
+             reps: int) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each repetition, alternating: the bare pinned copy, ``ct.save`` until
+    ``staged`` (then waited for), ``dcp.async_save`` until it returns."""
     ct.save(sd, f"{run}/warm").wait()
     _async_save_blocks(sd, f"{run}/dcp-warm")
     copies, stalls, async_saves = [], [], []
-    for rep in range(args.reps):
+    for rep in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for k, v in sd.items():
@@ -67,14 +87,7 @@ def main() -> None:
         stalls.append(time.perf_counter() - t0)
         handle.wait()
         async_saves.append(_async_save_blocks(sd, f"{run}/dcp-{rep}"))
-    report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
-                                  "device": torch.cuda.get_device_name()})
-    report.raw.update(copies=copies, stalls=stalls, async_saves=async_saves)
-    report.compare("stall until staged vs a pinned D2H copy_", min(stalls), min(copies), "s",
-                   peer_name="pinned copy_", target=1.2)
-    report.compare("stall until staged vs dcp.async_save", min(stalls), min(async_saves), "s",
-                   peer_name="dcp.async_save blocks", target=0.3)
-    report.finish(args.out)
+    return copies, stalls, async_saves
 
 
 if __name__ == "__main__":
