@@ -51,13 +51,13 @@ def main() -> None:
     numel = (64 << 20) // dtype.itemsize
     sd = {f"w{i}": torch.randn(numel, device="cuda").to(dtype) for i in range(n)}  # 64 MiB each
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in sd.items()}
+    report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
+                                  "device": torch.cuda.get_device_name()})
     with tempfile.TemporaryDirectory(prefix="ckptturbo-gpu-stall-") as run:
         copies, stalls, async_saves = _measure(ct, sd, pinned, run, args.reps)
         back = {k: torch.empty_like(v) for k, v in sd.items()}
         ct.load(back, f"{run}/step-{args.reps - 1}")
         exact = all(torch.equal(back[k], v) for k, v in sd.items())
-    report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
-                                  "device": torch.cuda.get_device_name()})
     report.raw.update(copies=copies, stalls=stalls, async_saves=async_saves)
     report.compare("stall until staged vs a pinned D2H copy_", min(stalls), min(copies), "s",
                    peer_name="pinned copy_", target=1.2)
