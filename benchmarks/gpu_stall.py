@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+import ckptturbo as ct
 
 from .report import Report
 
@@ -36,8 +37,6 @@ def _async_save_blocks(sd: dict[str, torch.Tensor], path: str) -> float:
 
 
 def main() -> None:
-    import ckptturbo as ct
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
@@ -54,7 +53,7 @@ def main() -> None:
     report = Report("gpu-stall", {"size_mb": args.size_mb, "reps": args.reps, "dtype": args.dtype,
                                   "device": torch.cuda.get_device_name()})
     with tempfile.TemporaryDirectory(prefix="ckptturbo-gpu-stall-") as run:
-        copies, stalls, async_saves = _measure(ct, sd, pinned, run, args.reps)
+        copies, stalls, async_saves = _measure(sd, pinned, run, args.reps)
         back = {k: torch.empty_like(v) for k, v in sd.items()}
         ct.load(back, f"{run}/step-{args.reps - 1}")
         exact = all(torch.equal(back[k], v) for k, v in sd.items())
@@ -67,7 +66,7 @@ def main() -> None:
     report.finish(args.out)
 
 
-def _measure(ct: Any, sd: dict[str, torch.Tensor], pinned: dict[str, torch.Tensor], run: str,
+def _measure(sd: dict[str, torch.Tensor], pinned: dict[str, torch.Tensor], run: str,
              reps: int) -> tuple[list[float], list[float], list[float]]:
     """Seconds of each repetition, alternating: the bare pinned copy, ``ct.save`` until
     ``staged`` (then waited for), ``dcp.async_save`` until it returns."""

@@ -289,15 +289,12 @@ class TurboReader(StorageReader):
         chained = any((g.starts != LOCAL).any() for g in groups)
         plan_id = int.from_bytes(os.urandom(7), "little") if chained else None
         out = []
-        packed: dict[int, PackedChains] = {}  # by the id of a tuple ranks share
         for member, (plan, mine) in enumerate(zip(plans, _groups_of_ranks(groups, len(plans)),
                                                   strict=True)):
             as_sent = (isinstance(plan.storage_data, LocalReads)
                        and plan.items is plan.storage_data.items)
-            if id(mine) not in packed:
-                packed[id(mine)] = PackedChains.of(mine)
             chains = ReadChains(plan_id, settings.piece_size, settings.max_inflight, as_sent,
-                                member, packed[id(mine)])
+                                member, mine)
             out.append(dataclasses.replace(plan, items=[] if as_sent else plan.items,
                                            storage_data=chains))
         return out
@@ -485,15 +482,20 @@ class TurboReader(StorageReader):
             copier.close()
 
 
-def _groups_of_ranks(groups: list[RotatedChains], world: int) -> list[tuple[RotatedChains, ...]]:
-    """Each rank's groups of transfers, one tuple shared by the ranks that are in the same
+def _groups_of_ranks(groups: list[RotatedChains], world: int) -> list[PackedChains]:
+    """Each rank's groups of transfers, packed once for the ranks that are in the same
     groups (every rank of a DDP job; the replicas of an HSDP shard)."""
     member_of: list[list[int]] = [[] for _ in range(world)]
     for g, group in enumerate(groups):
         for rank in group.ranks().tolist():
             member_of[rank].append(g)
-    shared: dict[tuple[int, ...], tuple[RotatedChains, ...]] = {}
-    return [shared.setdefault(tuple(gs), tuple(groups[g] for g in gs)) for gs in member_of]
+    shared: dict[tuple[int, ...], PackedChains] = {}
+    out = []
+    for gs in map(tuple, member_of):
+        if gs not in shared:
+            shared[gs] = PackedChains.of(tuple(groups[g] for g in gs))
+        out.append(shared[gs])
+    return out
 
 
 def own_items(plan: LoadPlan) -> list[ReadItem]:
