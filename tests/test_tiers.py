@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -331,6 +332,40 @@ def test_a_lost_node_recovers_from_its_peers_replicas_without_reading_the_durabl
     results = run_distributed(_recover_on_nodes, 4, run, opts, memory, timeout=240)
     for recovered, exact in results:
         assert exact and recovered.url == f"{run}/step-2" and recovered.bytes_from_durable > 0
+
+
+def _recover_or_fail(rank: int, world: int, run: str, opts: dict, memory: str) -> str:
+    try:
+        _recover_on_nodes(rank, world, run, opts, memory)
+    except Exception as exc:  # noqa: BLE001 - the test reads every rank's failure
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_chunk_damaged_in_a_peers_memory_fails_the_recovery_on_every_rank_when_received(
+        tmp_path, s3_server):
+    """The lost node's chunks come from node 0's memory, where every chunk was damaged at
+    rest: the rank that receives them refuses the first one by its hash as it arrives
+    (each chunk is checked as soon as it is in, while later ones are on the wire), and
+    every rank fails with that error."""
+    run, opts, memory = s3_server.url(), s3_server.storage_options, str(tmp_path / "mem")
+    run_distributed(_save_on_nodes, 4, run, opts, memory, 3, timeout=240)
+    shutil.rmtree(Path(memory) / "node1")
+    chunks = Path(ct.Tiers(memory=memory, node="node0").memory_run(run)) / ".ckptturbo" / "chunks"
+    damaged = 0
+    for path in (f for f in chunks.rglob("*") if f.is_file()):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        damaged += 1
+    assert damaged > 0
+    outcomes = run_distributed(_recover_or_fail, 4, run, opts, memory, timeout=240)
+    # node 1's rank that received it names the chunk, the node and the cause; every rank
+    # raises that one failure (the load's rounds share it), none waits for a timeout
+    receipt = re.compile(r"copying the chunks of loading \S+/step-3 failed on rank [23]: "
+                         r"IntegrityError: chunk [0-9a-f]{64} received from node 'node0' "
+                         r"\(rank [01]\) does not hash to its name")
+    assert all(receipt.search(o) for o in outcomes), outcomes
 
 
 def test_peer_plans_place_copies_on_other_nodes_and_spread_uploads():
