@@ -273,6 +273,10 @@ def part_recovery(cluster: topo.Cluster, args: Any, res: Results, report: Report
         res.add(rec, CT, s, "node1_in")
     for s in out["samples"]["durable"]:
         res.add(durable, CT, s, "store_out")
+    link_probe = f"{probe.PROBE} node link {world}r/{nodes}n"  # the recovery's attainable
+    res.limits[link_probe] = res.limits[rec]
+    for s in out["samples"]["probe"]:
+        res.add(link_probe, "raw gloo", s, "node1_in")
     from_durable = [s["bytes_from_durable"] for s in out["samples"]["tiers"]]
     report.check("recovery: 0 bytes from the durable store", all(b == 0 for b in from_durable),
                  str(from_durable))

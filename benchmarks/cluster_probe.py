@@ -157,12 +157,14 @@ def per_node(sample: dict[str, Any], nodes: int, per: int, direction: str) -> li
 
 
 def efficiency(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The attainable time / limit of each store direction (``store_in`` for PUTs,
-    ``store_out`` for GETs): the best probe variant's median time over its limit."""
+    """The attainable time / limit of each probed link (``store_in`` for PUTs,
+    ``store_out`` for GETs, ``node1_in`` for the recovery's raw copies into the lost node):
+    the best probe variant's median time over its limit."""
     best: dict[str, float] = {}
     for r in rows:
         if r["scenario"].startswith(PROBE):
-            link = "store_in" if " PUT " in r["scenario"] else "store_out"
+            link = ("node1_in" if " node link " in r["scenario"] else
+                    "store_in" if " PUT " in r["scenario"] else "store_out")
             best[link] = min(best.get(link, float("inf")), r["over_limit"])
     return best
 

@@ -18,7 +18,9 @@ per connection). The state is sharded: each rank holds ``size / ranks`` of its o
    node 1's memory before each repetition and loads the newest checkpoint with ``tiers=``
    (from memory, node 1's chunks from its peers), alternating with a load of the same
    checkpoint from the durable store alone (``ct.load`` without tiers: the TurboReader).
-   Both bit-exact; bytes from the durable store counted.
+   Both bit-exact; bytes from the durable store counted. In turn with both, the link
+   probe: node 1's bytes copied raw over gloo into its ranks, what its link attains
+   (``_link_probe``; the cluster benchmark reports the recovery against it).
 3. A third job after every node's memory is lost: the newest durable checkpoint loads,
    bit-exact, and the checkpoints that were only in memory are not in the durable store.
 """
@@ -47,6 +49,7 @@ from .states import MiB, digests, mismatches, zero_
 log = logging.getLogger("benchmarks")
 STEPS = 4
 TENSORS_PER_RANK = 8
+PROBE_PIECE = 2 * MiB  # the cluster miniature's chunk size (Profile.chunk_size)
 
 
 def _node(rank: int, per_node: int) -> str:
@@ -112,9 +115,33 @@ def _save_job(rank: int, world: int, run: str, opts: dict, memory: str, per_node
     return {"copy": copy, "stalls": stalls, "held": gather(held), "replicated": replicated}
 
 
+def _link_probe(rank: int, world: int, per_node: int, nbytes: int, buffer: torch.Tensor) -> None:
+    """The recovery's link probe: node 1's bytes (``nbytes`` for each of its ranks) sent raw
+    over the job's gloo group into node 1's ranks, from the ranks of the node after it
+    (node 0 when there are two), as a recovery's copies come from a node that holds node 1's
+    replicas: in pieces of the miniature's chunk size, every piece posted at once, no
+    checkpoint logic, hashing or writes. ``buffer``: this rank's ``nbytes``, made and
+    touched before the timed window."""
+    import torch.distributed as dist
+
+    holder = 2 if world // per_node > 2 else 0
+    lost, holders = range(per_node, 2 * per_node), range(holder * per_node, (holder + 1) * per_node)
+    if rank in holders:
+        peer, post = lost[rank - holders[0]], dist.isend
+    elif rank in lost:
+        peer, post = holders[rank - lost[0]], dist.irecv
+    else:
+        return
+    work = [post(buffer[at:at + PROBE_PIECE], peer, tag=i)
+            for i, at in enumerate(range(0, nbytes, PROBE_PIECE))]
+    for w in work:
+        w.wait()
+
+
 def _recover_job(rank: int, world: int, run: str, opts: dict, memory: str, per_node: int,
                  nbytes: int, reps: int) -> dict[str, Any]:
-    """Phase 2: node 1's memory lost before each repetition; tiered load vs durable load."""
+    """Phase 2: node 1's memory lost before each repetition; tiered load vs durable load,
+    and the link probe (``_link_probe``) in turn with them."""
     import ckptturbo as ct
 
     node = _node(rank, per_node)
@@ -122,12 +149,22 @@ def _recover_job(rank: int, world: int, run: str, opts: dict, memory: str, per_n
     tiers = _tiers(memory)
     expected = digests(_shard(rank, nbytes, STEPS))
     out = _shard(rank, nbytes, STEPS)
-    samples: dict[str, list[dict[str, Any]]] = {"tiers": [], "durable": []}
+    raw = torch.ones(nbytes, dtype=torch.uint8)
+    samples: dict[str, list[dict[str, Any]]] = {"tiers": [], "durable": [], "probe": []}
+    sides = ("tiers", "durable", "probe")
     correct = True
     with ct.Session() as s:
-        for rep in range(-1, reps):  # rep -1 warms both up (groups, clients), unmeasured
-            for side in (("tiers", "durable") if rep % 2 == 0 else ("durable", "tiers")):
+        for rep in range(-1, reps):  # rep -1 warms every side up (groups, clients), unmeasured
+            for side in sides[rep % 3:] + sides[:rep % 3]:
                 barrier_time()
+                if side == "probe":
+                    t0 = barrier_time()
+                    _link_probe(rank, world, per_node, nbytes, raw)
+                    t1 = barrier_time()
+                    if rep >= 0:
+                        samples[side].append({"seconds": t1 - t0, "window": [t0, t1],
+                                              "bytes": nbytes * per_node})
+                    continue
                 if side == "tiers" and rep >= 0 and node == "node1" and rank % per_node == 0:
                     shutil.rmtree(Path(memory) / node, ignore_errors=True)  # the node is lost
                 zero_(out)

@@ -63,6 +63,7 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
                            ("whole-state load 4r/2n", "ckptturbo"),
                            ("grouped load 2r/1n", "ckptturbo"), ("grouped load 4r/2n", "ckptturbo"),
                            ("recovery, node lost 4r/2n", "ckptturbo"),
+                           ("link probe node link 4r/2n", "raw gloo"),
                            ("durable load 4r/2n", "ckptturbo"),
                            ("stream safetensors 1 process/1n", "ckptturbo"),
                            ("streaming across ranks 4r/2n", "ckptturbo")]:
@@ -75,8 +76,14 @@ def test_every_part_runs_on_a_tiny_cluster(tmp_path):
                 if (r["scenario"], r["side"]) == ("whole-state load 4r/2n", "ckptturbo"))
     attainable = load["limit_s"] * probe["botocore 1 MiB x1/rank"]["over_limit"]
     assert load["attainable_s"] == pytest.approx(attainable)
+    # the recovery against what raw gloo copies into the lost node attain on its link
+    node_link = next(r for r in doc["raw"]["rows"] if r["scenario"] == "link probe node link 4r/2n")
+    recovery = next(r for r in doc["raw"]["rows"]
+                    if (r["scenario"], r["side"]) == ("recovery, node lost 4r/2n", "ckptturbo"))
+    assert recovery["attainable_s"] == pytest.approx(recovery["limit_s"] * node_link["over_limit"])
     by_name = {c["name"]: c for c in doc["comparisons"]}
     assert "whole-state load 4r/2n: time / attainable" in by_name
+    assert "recovery, node lost 4r/2n: time / attainable" in by_name
     read = by_name["whole-state load 4r/2n: bytes from storage (ckptturbo's count)"]
     assert read["ratio"] <= 1.001
 
