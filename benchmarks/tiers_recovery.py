@@ -49,7 +49,8 @@ from .states import MiB, digests, mismatches, zero_
 log = logging.getLogger("benchmarks")
 STEPS = 4
 TENSORS_PER_RANK = 8
-PROBE_PIECE = 2 * MiB  # the cluster miniature's chunk size (Profile.chunk_size)
+PROBE_PIECE = 2 * MiB  # the link probe's message size: the cluster miniature's chunk size at
+# its default scale (Profile.chunk_size); a recovery's own chunks may be larger (8 MiB at 512 MiB)
 
 
 def _node(rank: int, per_node: int) -> str:
@@ -119,8 +120,8 @@ def _link_probe(rank: int, world: int, per_node: int, nbytes: int, buffer: torch
     """The recovery's link probe: node 1's bytes (``nbytes`` for each of its ranks) sent raw
     over the job's gloo group into node 1's ranks, from the ranks of the node after it
     (node 0 when there are two), as a recovery's copies come from a node that holds node 1's
-    replicas: in pieces of the miniature's chunk size, every piece posted at once, no
-    checkpoint logic, hashing or writes. ``buffer``: this rank's ``nbytes``, made and
+    replicas: in ``PROBE_PIECE`` messages, every one posted at once, no checkpoint logic,
+    hashing or writes. ``buffer``: this rank's ``nbytes``, made and
     touched before the timed window."""
     import torch.distributed as dist
 
