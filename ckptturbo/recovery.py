@@ -10,26 +10,32 @@ gets it from a rank whose memory has it, checks its checksum and keeps it in its
 memory tier; the durable manifest is read only when no node's memory has one. The ranks
 agree on each outcome, so they all load the same checkpoint.
 
-Each rank reads a chunk from its own node's memory when it is there. Before any byte is
-read, the chunks the ranks of a node need and its memory lacks are copied from the other
-nodes' memory tiers that hold them (``peers``: replicas a tiered save made, or chunks
-another node's ranks wrote) to the rank that needs them, which verifies them, keeps them
-in its node's tier and loads them from the received bytes; only what no node holds is
-read from the durable store. A checkpoint where some rank needs a chunk that no tier holds
-(evicted, and never persisted) is skipped for the next older one.
+Each rank reads a chunk from its own node's memory when it is there. The chunks the ranks
+of a node need and its memory lacks are copied from the other nodes' memory tiers that
+hold them (``peers``: replicas a tiered save made, or chunks another node's ranks wrote)
+to the rank that needs them, which verifies them, keeps them in its node's tier and loads
+them from the received bytes; only what no node holds is read from the durable store. The
+copies are planned before any byte is read, so a checkpoint where some rank needs a chunk
+that no tier holds (evicted, and never persisted) is skipped for the next older one with
+the state untouched; they run while the ranks read what their nodes hold (the node links
+carry the lost node's bytes while the other ranks' reads use the cores).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from . import catalog
 from .agreement import agree, gather
@@ -44,7 +50,7 @@ from .errors import (
 from .failures import as_ckptturbo_error
 from .manifest import Manifest
 from .paths import MANIFEST_NAME
-from .peers import Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
+from .peers import Copy, Nodes, exchange, held_bits, held_by_node, plan_fetches, tier_chunk
 from .reader import TurboReader, own_items
 from .runs import Location
 from .runtime import wait_for_saves
@@ -91,17 +97,22 @@ class TieredChunkSource(ChunkSource):
         self.bytes_from_durable = 0
         self.bytes_from_peers = 0
         self._received: dict[str, memoryview] = {}
+        self._copies: tuple[Nodes, list[Copy]] | None = None  # planned, not yet run
+        self._coming: set[str] = set()  # chunks the planned copies bring into this node
+        self._arrived = threading.Condition(self._lock)  # a chunk received, or copies ended
+        self._copied = False
+        self._copy_failure: BaseException | None = None
 
     def holder(self, cid: str) -> Location:
-        return self.memory if cid in self.in_memory else self.durable
+        return self.memory if cid in self.in_memory or cid in self._coming else self.durable
 
-    def fill_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
-        """Copy into this node's memory tier the chunks its ranks need (this rank's:
-        ``cids``) that it lacks and another node's memory holds (collective: one gather of
-        what each rank lacks and each node holds, then the exchange). ``ordinal``: each
-        chunk's position in the manifest's chunk table. A chunk is received by the lowest
-        rank of the node that needs it, verified, kept in the tier and, while this load
-        runs, served from the received bytes: it is hashed once, not again when read."""
+    def plan_from_peers(self, nodes: Nodes, cids: list[str], ordinal: dict[str, int]) -> None:
+        """Plan the copies into this node's memory tier of the chunks its ranks need (this
+        rank's: ``cids``) that it lacks and another node's memory holds (collective: one
+        gather of what each rank lacks and each node holds). ``ordinal``: each chunk's
+        position in the manifest's chunk table. Nothing moves yet: ``copying_from_peers``
+        runs the copies while the ranks read what their nodes hold, and a chunk planned for
+        this node counts as held (``require``)."""
         ids = list(self.manifest.chunks)
         mine = np.array(sorted(ordinal[c] for c in cids if c not in self.in_memory), np.int32)
         bits = held_bits(self.in_memory, ids) if nodes.node_leader else None
@@ -112,22 +123,74 @@ class TieredChunkSource(ChunkSource):
             return
         held = held_by_node(nodes, [b for _, b in everyone], ids)
         copies = plan_fetches(self.manifest.chunks, lacking, nodes.nodes, held)
+        self._copies = (nodes, copies)
+        self._coming = {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
+
+    @contextlib.contextmanager
+    def copying_from_peers(self) -> Iterator[None]:
+        """The planned copies (``plan_from_peers``; collective: every rank enters, and
+        leaves only once they are done), run on a thread of their own while the body
+        reads: a rank reads the chunks its node holds while its node's missing ones are
+        still on the wire. A chunk is received by the lowest rank of the node that needs
+        it, verified, kept in the tier and served to that rank's read from the received
+        bytes as soon as it is in: it is hashed once, not again when read. The node's other
+        ranks read it from the tier once the copies have ended on every rank. A failed copy
+        fails the reads waiting for it and, once the copies have ended, is raised here on
+        every rank."""
+        if self._copies is None:
+            yield
+            return
+        nodes, copies = self._copies
+        self._copies = None
         run = self.memory.run
 
         def keep(cid: str, data: memoryview) -> None:
             run.store.put(run.chunk_path(cid), data)
-            with self._lock:
+            with self._arrived:
                 self._received[cid] = data
                 self.chunks_verified += 1
+                self._arrived.notify_all()
 
-        self.bytes_from_peers += exchange(
-            nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep,
-            f"loading {self.url}")
-        self.in_memory |= {c.cid for c in copies if nodes.nodes[c.target] == nodes.node}
+        def copy() -> None:
+            try:
+                self.bytes_from_peers += exchange(
+                    nodes, copies, lambda cid, nbytes: tier_chunk(run, cid, nbytes), keep,
+                    f"loading {self.url}")
+            except BaseException as exc:  # noqa: BLE001 - raised below and by the reads
+                self._copy_failure = exc
+            finally:
+                with self._arrived:
+                    self._copied = True
+                    self._arrived.notify_all()
+
+        copier = threading.Thread(target=copy, name="ckptturbo-peer-copies", daemon=True)
+        copier.start()
+        try:
+            yield
+        finally:
+            copier.join()
+            if self._copy_failure is not None:
+                raise self._copy_failure
+            self.in_memory |= self._coming
+            self._coming = set()
+
+    def _wait_for_copy(self, cid: str) -> None:
+        """If chunk ``cid`` is one of the copies: until this rank has received it, or, for
+        one another rank of this node receives, until the copies have ended."""
+        if cid not in self._coming:
+            return
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._copied or cid in self._received)
+            if cid not in self._received and self._copy_failure is not None:
+                raise CkptTurboError(f"chunk {cid} of {self.url} was to be copied from another "
+                                     f"node's memory tier, and the copies failed: "
+                                     f"{self._copy_failure}") from self._copy_failure
 
     def fetch(self, cid: str, out: memoryview | None = None) -> memoryview:
         """A chunk this rank received from a peer (verified on receipt) comes from the
-        received bytes, once; any other is read and verified as usual."""
+        received bytes, once; one still on its way is waited for; any other is read and
+        verified as usual."""
+        self._wait_for_copy(cid)
         with self._lock:
             received = self._received.pop(cid, None)
         if received is None:
@@ -140,7 +203,7 @@ class TieredChunkSource(ChunkSource):
     def require(self, cids: list[str]) -> None:
         """Raise ChunksUnavailable unless each of ``cids`` is in one of this rank's tiers
         (the durable store is listed only when memory lacks some)."""
-        lacking = [cid for cid in cids if cid not in self.in_memory]
+        lacking = [cid for cid in cids if cid not in self.in_memory and cid not in self._coming]
         if not lacking:
             return
         if self._in_durable is None:
@@ -164,9 +227,9 @@ class TieredReader(TurboReader):
     """A TurboReader over one checkpoint in the tiers: the manifest from this node's memory
     tier when it is there (else the durable one), chunks from the nearest holder. Chunks
     are not forwarded between ranks by the chain broadcast (its schedule knows nothing of
-    holders); with ``peers``, a node's missing chunks are first copied from other nodes'
-    memory, and then each rank checks before any byte is read that it can reach every chunk
-    its items need."""
+    holders). Before any byte is read, each rank checks that it can reach every chunk its
+    items need; with ``peers``, the copies of a node's missing chunks from other nodes'
+    memory are planned first (they count as reachable) and run during the reads."""
 
     def __init__(self, memory_url: str, url: str, storage_options: dict[str, Any] | None = None,
                  *, peers: Nodes | None = None, **options: Any) -> None:
@@ -232,20 +295,28 @@ class TieredReader(TurboReader):
 
     def adopt_manifest(self, data: bytes) -> None:
         """Keep the manifest another rank read (checked against its own checksum) in this
-        node's memory tier and read it from there: the chunks a peer copies in for it must
-        be named by a manifest there, or the tier's next gc would free them."""
+        node's memory tier and load as from there: the chunks a peer copies in for it must
+        be named by a manifest there, or the tier's next gc would free them. Decoded once:
+        reading it back from the tier would give the same manifest."""
+        wait_for_saves(self.url)
         memory = Location(self.memory_url, session=self.runtime)
-        Manifest.from_bytes(data, f"{memory.url}/{MANIFEST_NAME}")
+        manifest = Manifest.from_bytes(data, f"{memory.url}/{MANIFEST_NAME}")
         memory.store.put(memory.manifest_path, data)
-        self._manifest = None
-        self.read_manifest()
+        self._use(manifest, MEMORY)
 
     def prepare_local_plan(self, plan: Any) -> Any:
         needs = self._chunks_of(own_items(plan))
         if self.peers is not None:
-            self.chunks.fill_from_peers(self.peers, needs, self._chunk_ordinals())
+            self.chunks.plan_from_peers(self.peers, needs, self._chunk_ordinals())
         self.chunks.require(needs)
         return super().prepare_local_plan(plan)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        """The reads, while the chunks this node lacks are copied in from its peers."""
+        with self.chunks.copying_from_peers():
+            future = super().read_data(plan, planner)
+            future.wait()
+        return future
 
 
 def recover(session: Runtime, url: str, tiers: Tiers, *, storage_options: dict[str, Any] | None,
