@@ -96,8 +96,8 @@ def reduce_scatter(group: Any, step: str, local: Callable[[], T],
     gathered on rank 0 in fixed slots, one broadcast saying each part's size (or that a
     result overflowed its slot, which takes a second gather sized for the largest), and
     the parts scattered, each rank receiving only its own."""
-    world = dist.get_world_size(group)
-    first = dist.get_rank(group) == 0
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    first = rank == 0  # asked before the transfers: the groups may be gone once they end
     blob = _travelling(_outcome(local))
     rows = _gather_on_rank_0(group, world, _slot(blob, SLOT_BYTES), first)
     control = torch.zeros(world + 1, dtype=torch.int64)  # [second slot's size, parts' sizes]
@@ -123,7 +123,7 @@ def reduce_scatter(group: Any, step: str, local: Callable[[], T],
     mine = torch.empty(width, dtype=torch.uint8)
     padded = [_slot_body(part, width) for part in parts] if first else None
     dist.scatter(mine, padded, group=group, group_src=0)
-    kind, value = pickle.loads(mine[:int(sizes[dist.get_rank(group)])].numpy().tobytes())
+    kind, value = pickle.loads(mine[:int(sizes[rank])].numpy().tobytes())
     if kind == "failed":
         raise value
     return value

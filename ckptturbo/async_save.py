@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import dcp_protocol, delta_save
+from . import dcp_protocol, delta_save, shutdown
 from .errors import CkptTurboError, SaveInProgress
 from .failures import as_ckptturbo_error, ckptturbo_errors
 from .planner import TurboSavePlanner, on_group
@@ -26,6 +26,9 @@ from .runtime import Runtime, single_process
 from .staging import SaveHandle
 from .urls import options_key, parent_url, url_key
 from .writer import TurboWriter
+
+# A save in flight outlives the script: exit and destroy_process_group wait for it.
+shutdown.guard_saves_in_flight()
 
 
 def kept_writer(runtime: Runtime, url: str, storage_options: dict[str, Any] | None,

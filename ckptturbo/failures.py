@@ -27,10 +27,10 @@ def as_ckptturbo_error(exc: BaseException, url: str, action: str) -> BaseExcepti
 
     The first of our own errors found in the exception, its causes, or the ranks' failures
     is returned as it is; failing that, an error raised by a torch.distributed collective (a
-    peer died or disconnected; gloo reports it as a plain RuntimeError) becomes a
-    CommunicationError; any other Exception (or DCP's CheckpointException) becomes a
-    CkptTurboError naming the URL and the cause. KeyboardInterrupt and SystemExit pass
-    through unchanged.
+    peer died or disconnected, as gloo reports it, a plain RuntimeError; or the application
+    destroyed the groups under a save in flight) becomes a CommunicationError; any other
+    Exception (or DCP's CheckpointException) becomes a CkptTurboError naming the URL and the
+    cause. KeyboardInterrupt and SystemExit pass through unchanged.
     """
     found = list(_related(exc))
     for candidate, _ in found:
@@ -38,8 +38,9 @@ def as_ckptturbo_error(exc: BaseException, url: str, action: str) -> BaseExcepti
             return candidate
     for candidate, origin in found:
         if isinstance(candidate, dist.DistError) or origin == _C10D_FILE:
-            error: CkptTurboError = CommunicationError(
-                f"a peer rank failed or disconnected while {action} {url}: {candidate}")
+            what = ("the process group was destroyed (destroy_process_group) while"
+                    if not dist.is_initialized() else "a peer rank failed or disconnected while")
+            error: CkptTurboError = CommunicationError(f"{what} {action} {url}: {candidate}")
             error.__cause__ = candidate
             return error
     if not isinstance(exc, (Exception, CheckpointException)):

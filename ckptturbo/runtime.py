@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import sys
 import threading
 import time
 import warnings
@@ -36,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from .chunk_index import ChunkIndex
 from .chunk_store import use_default_opener
 from .errors import CkptTurboError
-from .retry import seconds_setting
 from .store import Store
 from .urls import covers, options_key, url_key
 
@@ -48,7 +46,6 @@ log = logging.getLogger(__name__)
 MAX_KEPT = 8  # writers kept for reuse (pool, plan cache); the least recently used is closed
 MAX_STORES = 64  # stores kept open per runtime (a cache: opened again when dropped)
 MAX_CHUNK_INDEXES = 8  # runs whose chunk listing is remembered (a cache: relisted when dropped)
-EXIT_REPORT_EVERY = 10.0  # seconds between "still waiting" lines at exit
 
 
 class Handle(Protocol):
@@ -156,10 +153,11 @@ class Runtime:
                 self._groups[key] = groups.new_gloo_group(key[0])
             return self._groups[key]
 
-    def _release_groups(self) -> None:
-        """Destroy the gloo groups this runtime made, while the interpreter is still whole.
-        A group left to finalisation can hold gloo work whose tensors need the GIL when
-        freed, which aborts the process (terminate called without an active exception)."""
+    def release_groups(self) -> None:
+        """Destroy the gloo groups this runtime made: at exit, while the interpreter is still
+        whole, and before the application destroys its world group. A group left to
+        finalisation can hold gloo work whose tensors need the GIL when freed, which aborts
+        the process (terminate called without an active exception)."""
         with self._lock:
             made, self._groups = list(self._groups.values()), {}
         if not made:
@@ -172,7 +170,7 @@ class Runtime:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError) as e:  # already destroyed by the application
-                log.debug("gloo group not destroyed at exit: %s", e)
+                log.debug("gloo group not destroyed: %s", e)
 
     def chunk_index(self, key: tuple) -> ChunkIndex:
         """What this runtime knows a run's chunk store holds (created empty, unlisted)."""
@@ -287,7 +285,7 @@ class Runtime:
         return [f for f in flights if not f.handle.done()
                 and (target is None or covers(f.key, target, under))]
 
-    def _running(self) -> list[_Flight]:
+    def running(self) -> list[_Flight]:
         """Saves whose thread has not ended (a durable one may still be finishing)."""
         with self._lock:
             return [f for f in self._flights if f.thread.is_alive()]
@@ -362,6 +360,11 @@ _default_kind: type[Runtime] = Runtime
 _default_lock = threading.Lock()
 
 
+def open_runtimes() -> list[Runtime]:
+    """Every runtime of the process that is still open (their saves in flight, their groups)."""
+    return list(_open_runtimes)
+
+
 def use_default_kind(kind: type[Runtime]) -> None:
     """Make the default runtime a ``kind`` (the API's ``Session``, which registers itself
     when ``ckptturbo.session`` is imported: with the package, before any default exists)."""
@@ -421,49 +424,6 @@ def gc_turn(lock_url: str) -> Iterator[None]:
             turn[1] -= 1
             if turn[1] == 0:
                 del _turns[lock_url]
-
-
-def _wait_at_exit() -> None:
-    """Interpreter exit: every save in flight becomes durable (or fails) before the I/O
-    thread pools stop. Runs before concurrent.futures refuses new work at exit; bounded by
-    the saves' own storage deadlines, or by CKPTTURBO_EXIT_TIMEOUT seconds when set. Each
-    save's thread is joined too: a daemon thread still inside torch when the interpreter
-    finalises aborts the process. Then the gloo groups the runtimes made are destroyed."""
-    if _wait_for_flights_at_exit():  # a save given up on may still be inside a collective
-        for runtime in list(_open_runtimes):
-            runtime._release_groups()
-
-
-def _wait_for_flights_at_exit() -> bool:
-    """Whether every save's thread has ended."""
-    flights = [f for r in list(_open_runtimes) for f in r._running()]
-    if not flights:
-        return True
-    limit = seconds_setting("EXIT_TIMEOUT", None, None, ValueError)
-    deadline = None if limit is None else time.monotonic() + limit
-    log.info("waiting at exit for %d checkpoint save(s) in flight: %s", len(flights),
-             ", ".join(f.handle.url for f in flights))
-    for flight in flights:
-        handle = flight.handle
-        while flight.thread.is_alive():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            flight.thread.join(EXIT_REPORT_EVERY if left is None else min(EXIT_REPORT_EVERY, left))
-            if flight.thread.is_alive():
-                log.warning("still waiting at exit for the save to %s", handle.url)
-        if not handle.done():
-            sys.stderr.write(f"ckptturbo: gave up at exit on the save to {handle.url} after "
-                             f"CKPTTURBO_EXIT_TIMEOUT={limit}s; it is not committed\n")
-        elif handle.durable.exception() is not None:
-            sys.stderr.write(f"ckptturbo: the save to {handle.url} failed and is not committed: "
-                             f"{handle.durable.exception()}\n")
-    return not any(f.thread.is_alive() for f in flights)
-
-
-# Registered with threading (not atexit): its exit hooks run, newest first, before
-# concurrent.futures stops accepting work, which the uploads of a save still need.
-threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
 
 
 # --- DCP's single-process warning --------------------------------------------------------

@@ -37,7 +37,8 @@ class Session(runtime.Runtime):
 
     Guarantees that hold across every session of the process: a load, ``exists``, listing
     or delete of a location with a save in flight waits for that save first; interpreter
-    exit waits for every save in flight to become durable or fail.
+    exit and ``torch.distributed.destroy_process_group`` wait for every save in flight to
+    become durable or fail (``ckptturbo.shutdown``).
     """
 
     save = _method(operations.save)

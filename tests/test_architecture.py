@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("format", ["paths", "manifest_records", "manifest_migration", "manifest_codec", "manifest",
                 "delta_codec", "manifest_delta"]),
     ("run I/O", ["runs", "lease", "chunk_index", "integrity", "chunk_source"]),
-    ("runtime", ["runtime"]),
+    ("runtime", ["runtime", "shutdown"]),
     ("catalog", ["catalog"]),
     ("planning", ["plan", "plan.*", "save_plan", "save_groups", "replicas",
                   "broadcast_schedule"]),

@@ -37,12 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _save_and_exit(url: str, seed: int, options: dict | None, ranks: int, logs: Path) -> str:
+def _save_and_exit(url: str, seed: int, options: dict | None, ranks: int, logs: Path,
+                   end: str = "exit") -> str:
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--log-dir", str(logs)]
     cmd = [*launcher, str(JOB), url, str(seed)] + ([json.dumps(options)] if options else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent),
+               SAVE_AND_EXIT_END=end)
     code, output = run_command(cmd, timeout=300, env=env)
     assert code == 0, output
     assert output.count("staged") >= ranks, output
@@ -57,21 +59,51 @@ def _loads_bit_exact(url: str, seed: int, options: dict | None) -> None:
     assert out["step"] == seed
 
 
+def _run_url(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, dict | None]:
+    if store == "local":
+        return str(tmp_path / "run"), None
+    server = request.getfixturevalue("s3_server")
+    return server.url(), server.storage_options
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_a_process_ending_right_after_staged_still_commits_its_save(store, ranks, tmp_path,
                                                                     request):
-    if store == "local":
-        run, options = str(tmp_path / "run"), None
-    else:
-        server = request.getfixturevalue("s3_server")
-        run, options = server.url(), server.storage_options
+    run, options = _run_url(store, tmp_path, request)
     trials = EXIT_TRIALS if ranks == 1 or SOAK else 1
     for seed in range(trials):
         _save_and_exit(f"{run}/step-{seed}", seed, options, ranks, tmp_path / "logs")
         _loads_bit_exact(f"{run}/step-{seed}", seed, options)
     assert [c.name for c in ct.list_checkpoints(run, storage_options=options)] == \
         [f"step-{seed}" for seed in range(trials)]
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_destroy_process_group_right_after_staged_waits_for_the_save(store, tmp_path, request):
+    """torch asks a script to end with destroy_process_group(), which shuts down every group,
+    ckptturbo's too: it waits for the saves in flight first."""
+    run, options = _run_url(store, tmp_path, request)
+    output = _save_and_exit(f"{run}/step-7", 7, options, 2, tmp_path / "logs", end="destroy")
+    assert output.count("the group was destroyed after the save was durable") == 2, output
+    _loads_bit_exact(f"{run}/step-7", 7, options)
+
+
+def test_a_save_under_a_group_destroyed_unwaited_is_reported_as_it_ended(slow_s3, tmp_path):
+    """A module that bound torch's own destroy_process_group before ckptturbo was imported
+    does not wait, and the save (still uploading to the slow store) goes on under groups torch
+    has shut down and forgotten. Whether it commits depends on torch (gloo's groups keep
+    working here; NCCL's are aborted): either way what stderr says is what happened."""
+    run, options = slow_s3
+    url = f"{run}/step-1"
+    output = _save_and_exit(url, 1, options, 2, tmp_path / "logs", end="torch-destroy")
+    if ct.exists(url, storage_options=options):
+        assert "ckptturbo: the save" not in output, output
+        _loads_bit_exact(url, 1, options)
+    else:
+        assert output.count(f"ckptturbo: the save to {url} failed and is not committed: the "
+                            "process group was destroyed (destroy_process_group) while saving"
+                            ) == 2, output
 
 
 def test_a_save_failing_at_exit_is_reported_on_stderr(s3_server, tmp_path):
