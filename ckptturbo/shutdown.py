@@ -9,10 +9,9 @@ own gloo groups included, under the save's commit. So both wait first. Exit wait
 save in flight, then destroys the gloo groups the runtimes made while the interpreter is
 still whole. ``torch.distributed.destroy_process_group`` is wrapped, once, when the
 save pipeline is imported (with the package, in a training process), to do the same before
-it destroys anything. Both
-waits are bounded by the saves' own storage deadlines, or by CKPTTURBO_EXIT_TIMEOUT seconds
-when set; a save that failed or was given up on is reported on stderr, since nothing else
-may look at its handle any more.
+it destroys anything. Both waits are bounded by the saves' own storage deadlines, or by
+CKPTTURBO_EXIT_TIMEOUT seconds when set; a save that failed or was given up on is reported
+on stderr, since nothing else may look at its handle any more.
 """
 from __future__ import annotations
 
@@ -63,6 +62,7 @@ def wait_for_saves_in_flight(moment: str) -> bool:
 
 
 def _release_every_group() -> None:
+    """Destroy the gloo groups every runtime made (made again on their next use)."""
     for runtime in open_runtimes():
         runtime.release_groups()
 
@@ -76,16 +76,16 @@ def _wait_at_exit() -> None:
 
 
 def _waiting_for_saves(destroy: Callable[..., Any]) -> Callable[..., Any]:
-    """``destroy_process_group`` that first lets the saves in flight commit; destroying the
-    world group (the default, ``None``) also destroys the runtimes' gloo groups first, so
-    that none is kept, dead, for the next save after ``init_process_group``."""
+    """``destroy_process_group`` that first lets the saves in flight commit. Destroying the
+    world group (the default, ``None``) also destroys the runtimes' gloo groups first, as
+    torch would, so that none is kept, dead, for the next save after ``init_process_group``."""
 
     @functools.wraps(destroy)
     def destroy_process_group(group: Any = None) -> Any:
         import torch.distributed as dist
 
-        ended = wait_for_saves_in_flight("before destroy_process_group")
-        if ended and (group is None or group is dist.GroupMember.WORLD):
+        wait_for_saves_in_flight("before destroy_process_group")
+        if group is None or group is dist.GroupMember.WORLD:
             _release_every_group()
         return destroy(group)
 
