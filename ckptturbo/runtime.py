@@ -153,11 +153,12 @@ class Runtime:
                 self._groups[key] = groups.new_gloo_group(key[0])
             return self._groups[key]
 
-    def release_groups(self) -> None:
-        """Destroy the gloo groups this runtime made: at exit, while the interpreter is still
-        whole, and before the application destroys its world group. A group left to
-        finalisation can hold gloo work whose tensors need the GIL when freed, which aborts
-        the process (terminate called without an active exception)."""
+    def release_groups(self, destroy: Callable[[Any], Any]) -> None:
+        """Destroy the gloo groups this runtime made with ``destroy`` (torch's
+        ``destroy_process_group``): at exit, while the interpreter is still whole, and before
+        the application destroys its world group. A group left to finalisation can hold gloo
+        work whose tensors need the GIL when freed, which aborts the process (terminate
+        called without an active exception)."""
         with self._lock:
             made, self._groups = list(self._groups.values()), {}
         if not made:
@@ -168,7 +169,7 @@ class Runtime:
             return  # destroy_process_group() already took every group
         for group in made:
             try:
-                dist.destroy_process_group(group)
+                destroy(group)
             except (ValueError, RuntimeError) as e:  # already destroyed by the application
                 log.debug("gloo group not destroyed: %s", e)
 

@@ -23,12 +23,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 from .retry import seconds_setting
 from .runtime import open_runtimes
 
 log = logging.getLogger(__name__)
 
 REPORT_EVERY = 10.0  # seconds between "still waiting" lines
+# torch's own, for the groups ckptturbo made (captured before guard_saves_in_flight wraps it)
+_torch_destroy: Callable[[Any], Any] = distributed_c10d.destroy_process_group
 
 
 def wait_for_saves_in_flight(moment: str) -> bool:
@@ -62,9 +67,10 @@ def wait_for_saves_in_flight(moment: str) -> bool:
 
 
 def _release_every_group() -> None:
-    """Destroy the gloo groups every runtime made (made again on their next use)."""
+    """Destroy the gloo groups every runtime made (made again on their next use), with
+    torch's own ``destroy_process_group``: the wrapped one would wait for the saves again."""
     for runtime in open_runtimes():
-        runtime.release_groups()
+        runtime.release_groups(_torch_destroy)
 
 
 def _wait_at_exit() -> None:
@@ -82,8 +88,6 @@ def _waiting_for_saves(destroy: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(destroy)
     def destroy_process_group(group: Any = None) -> Any:
-        import torch.distributed as dist
-
         wait_for_saves_in_flight("before destroy_process_group")
         if group is None or group is dist.GroupMember.WORLD:
             _release_every_group()
@@ -94,30 +98,15 @@ def _waiting_for_saves(destroy: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def guard_saves_in_flight() -> None:
-    """Install both waits, once per process (the save pipeline calls this as it is
-    imported). torch's ``destroy_process_group`` is wrapped where callers find it
-    (``torch.distributed`` and ``torch.distributed.distributed_c10d``); a module that bound
-    the name itself before ckptturbo was imported keeps torch's own, and must wait for its
-    saves first (``ct.default_session().wait()``)."""
-    global _guarded
-    with _guard_lock:
-        if _guarded:
-            return
-        _guarded = True
-        # threading's exit hooks (not atexit's) run, newest first, before concurrent.futures
-        # stops accepting work, which the uploads of a save still need.
-        threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return
-        from torch.distributed import distributed_c10d
-
-        for module in (dist, distributed_c10d):
-            current = module.destroy_process_group
-            if not getattr(current, "__ckptturbo_waits__", False):
-                module.destroy_process_group = _waiting_for_saves(current)  # type: ignore[attr-defined]
-
-
-_guarded = False
-_guard_lock = threading.Lock()
+    """Install both waits; the save pipeline calls this once, as it is imported. torch's
+    ``destroy_process_group`` is wrapped where callers find it (``torch.distributed`` and
+    ``torch.distributed.distributed_c10d``); a module that bound the name itself before
+    ckptturbo was imported keeps torch's own, and must wait for its saves first
+    (``ct.default_session().wait()``)."""
+    # threading's exit hooks (not atexit's) run, newest first, before concurrent.futures
+    # stops accepting work, which the uploads of a save still need.
+    threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
+    for module in (dist, distributed_c10d):
+        current = module.destroy_process_group
+        if not getattr(current, "__ckptturbo_waits__", False):
+            module.destroy_process_group = _waiting_for_saves(current)  # type: ignore[attr-defined]
