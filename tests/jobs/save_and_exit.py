@@ -5,7 +5,7 @@ save_and_exit.py URL SEED [STORAGE_OPTIONS_JSON]. The state is a pure function o
 the rank, so the test can check the committed checkpoint bit for bit.
 
 With a group, the script ends as torch asks (pytorch#190489: a gloo group left to the
-interpreter's finalisation can abort the process), in one of two ways, SAVE_AND_EXIT_END:
+interpreter's finalisation can abort the process), in one of three ways, SAVE_AND_EXIT_END:
 "exit" (the default) destroys the group in an ``atexit`` handler, which runs after
 ckptturbo's wait at exit, as a framework's teardown would; "destroy" calls
 ``destroy_process_group()`` right after ``staged``, the upload still running;
